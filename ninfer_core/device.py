@@ -1,0 +1,140 @@
+"""Capability probing: what this machine is, or what a named machine would be.
+
+`probe_device()` reads the real machine; `simulated_device(name)` builds the
+`DeviceInfo` of a known card so that plugin selection can be tested without it.
+Probing CUDA goes through torch only when torch says CUDA is available, so a CPU
+box never initialises a driver.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class CpuInfo:
+    model: str
+    cores: int
+    memory_bytes: int
+    isa: frozenset[str] = field(default_factory=frozenset)
+
+    def has(self, flag: str) -> bool:
+        return flag in self.isa
+
+
+@dataclass(frozen=True, slots=True)
+class CudaInfo:
+    name: str
+    sm: tuple[int, int]
+    total_memory: int
+    free_memory: int
+    index: int = 0
+
+    @property
+    def sm_version(self) -> int:
+        """SM as one number, e.g. 86 for an RTX 3090."""
+        return self.sm[0] * 10 + self.sm[1]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """The device plugins are asked about: the CPU always, a CUDA GPU when there is one."""
+
+    cpu: CpuInfo
+    cuda: CudaInfo | None = None
+    simulated: str | None = None
+
+    @property
+    def kind(self) -> Literal["cpu", "cuda"]:
+        return "cuda" if self.cuda is not None else "cpu"
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.cuda.index}" if self.cuda is not None else "cpu"
+
+    def describe(self) -> str:
+        cpu = self.cpu
+        isa = ",".join(sorted(f for f in cpu.isa if f in _SHOWN_ISA)) or "baseline"
+        text = f"CPU {cpu.model}: {cpu.cores} cores, {cpu.memory_bytes / GIB:.1f} GiB, ISA {isa}"
+        if self.cuda is not None:
+            c = self.cuda
+            text += (
+                f"\nGPU {c.name}: SM{c.sm_version}, {c.total_memory / GIB:.1f} GiB total, "
+                f"{c.free_memory / GIB:.1f} GiB free"
+            )
+        if self.simulated:
+            text += f"\n(simulated device spec {self.simulated!r})"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["cpu"]["isa"] = sorted(self.cpu.isa)
+        out["kind"] = self.kind
+        return out
+
+
+_SHOWN_ISA = {"avx", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "neon"}
+
+
+def _read_cpu() -> CpuInfo:
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    if "asimd" in flags:
+        flags.add("neon")
+    memory = 0
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return CpuInfo(model=model, cores=cores or 1, memory_bytes=memory, isa=frozenset(flags))
+
+
+def _read_cuda() -> CudaInfo | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    return CudaInfo(props.name, (props.major, props.minor), total, free, 0)
+
+
+def probe_device(*, use_cuda: bool = True) -> DeviceInfo:
+    """The real machine. `use_cuda=False` describes it as if it had no GPU."""
+    return DeviceInfo(cpu=_read_cpu(), cuda=_read_cuda() if use_cuda else None)
+
+
+#: Cards people run NInfer on, for `--device-spec` (free memory assumes an idle card).
+DEVICE_SPECS: dict[str, CudaInfo | None] = {
+    "cpu": None,
+    "rtx3090": CudaInfo("NVIDIA GeForce RTX 3090", (8, 6), 24 * GIB, 23 * GIB),
+    "rtx4090": CudaInfo("NVIDIA GeForce RTX 4090", (8, 9), 24 * GIB, 23 * GIB),
+    "a100": CudaInfo("NVIDIA A100-SXM4-80GB", (8, 0), 80 * GIB, 79 * GIB),
+    "h100": CudaInfo("NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB, 79 * GIB),
+    "h200": CudaInfo("NVIDIA H200", (9, 0), 141 * GIB, 139 * GIB),
+}
+
+
+def simulated_device(name: str) -> DeviceInfo:
+    """This machine's CPU with the named GPU (or none, for ``cpu``) in place of the real one."""
+    from ninfer_core.errors import UnknownNameError
+
+    key = name.lower()
+    if key not in DEVICE_SPECS:
+        raise UnknownNameError("device spec", name, DEVICE_SPECS)
+    return replace(probe_device(use_cuda=False), cuda=DEVICE_SPECS[key], simulated=key)

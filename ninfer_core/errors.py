@@ -1,0 +1,39 @@
+"""Errors that reach the user as one clear line.
+
+Every error the CLI or server shows to a person derives from :class:`NInferError`;
+anything else escaping is a bug, and gets a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class NInferError(Exception):
+    """Base for errors whose message is meant for the user as it is."""
+
+
+class UnknownNameError(NInferError, KeyError):
+    """A name was asked of a registry that does not hold it."""
+
+    def __init__(self, kind: str, name: str, known: Iterable[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.known = sorted(known)
+        listing = ", ".join(self.known) if self.known else "(none registered)"
+        super().__init__(f"unknown {kind} {name!r}; known {kind}s: {listing}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class DuplicateNameError(NInferError):
+    """Two plugins registered the same name for one extension point."""
+
+
+class ModelLoadError(NInferError):
+    """A model artifact could not be loaded; the message names the file and the problem."""
+
+
+class UnsupportedChoiceError(NInferError):
+    """A configured plugin cannot run on this device; the message names the alternatives."""

@@ -1,0 +1,1 @@
+"""Model runtime: plain torch modules per architecture family."""
