@@ -8,6 +8,7 @@ box never initialises a driver.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -96,10 +97,8 @@ def _read_cpu() -> CpuInfo:
     if "asimd" in flags:
         flags.add("neon")
     memory = 0
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return CpuInfo(model=model, cores=cores or 1, memory_bytes=memory, isa=frozenset(flags))
 

@@ -1,0 +1,54 @@
+"""`ninfer probe`: the device, and for each extension point which plugin and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ninfer_core.device import DEVICE_SPECS, probe_device, simulated_device
+from ninfer_core.plugin_host import create_host
+from ninfer_core.selection import probe
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="show the hardware and which plugins it gets, and why")
+    p.add_argument(
+        "--device-spec",
+        metavar="NAME",
+        help=f"simulate a device: {', '.join(DEVICE_SPECS)}",
+    )
+    p.add_argument("--gemm-backend", default="auto", help="as ninfer-serve would be given")
+    p.add_argument("--kv-dtype", default="auto", help="as ninfer-serve would be given")
+    p.add_argument("--spec", default=None, help="draft strategy, as ninfer-serve would be given")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    device = simulated_device(ns.device_spec) if ns.device_spec else probe_device()
+    host = create_host()
+    reports = probe(host, device, gemm_backend=ns.gemm_backend, kv_dtype=ns.kv_dtype, spec=ns.spec)
+    failures = [{"plugin": f.plugin, "distribution": f.distribution, "reason": f.reason}
+                for f in host.failures]  # fmt: skip
+    if ns.json:
+        out = {
+            "device": device.to_json(),
+            "extension_points": [r.to_json() for r in reports],
+            "plugin_failures": failures,
+        }
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(device.describe())
+    for report in reports:
+        chosen = f" -> {report.chosen}" if report.chosen else ""
+        print(f"\n{report.point.replace('_', ' ')}{chosen}")
+        if not report.candidates:
+            print("  (none installed)")
+        for c in report.candidates:
+            reason = f": {c.reason}" if c.reason else ""
+            print(f"  {c.status:<10} {c.name:<16} [{c.distribution}]{reason}")
+    for f in failures:
+        print(f"\nplugin {f['plugin']} ({f['distribution']}) not loaded: {f['reason']}")
+    return 0

@@ -1,0 +1,100 @@
+"""From a path to a ready model: pick the reader, the family, the kernels, load weights.
+
+Every failure on the way is a `ModelLoadError` or `UnsupportedChoiceError` with one
+line naming the file and the problem, raised before any request is served.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import DeviceInfo
+from ninfer_core.errors import ModelLoadError, UnknownNameError
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.plugin_host import PluginHost
+from ninfer_core.selection import choose
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model with its weights in place, and the choices made on the way."""
+
+    path: Path
+    artifact: Any
+    config: ModelConfig
+    family: Any
+    model: torch.nn.Module
+    ops: Any
+    dtype: torch.dtype
+    backend: str
+    load_seconds: float
+
+
+def compute_dtype(name: str, device: DeviceInfo) -> torch.dtype:
+    """`auto` is bf16 on the CPU (fast int/bf16 kernels there) and fp16 on CUDA."""
+    if name == "auto":
+        return torch.float16 if device.cuda is not None else torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UnknownNameError("dtype", name, [*DTYPES, "auto"]) from None
+
+
+def open_artifact(host: PluginHost, path: str | Path) -> Any:
+    """Open `path` with the first reader that recognises it."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    for reader in host.artifact_readers:
+        if reader.can_read(path):
+            return reader.open(path)
+    if path.is_file() and path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+        raise ModelLoadError(
+            f"{path}: pickle checkpoints are refused (loading them can run arbitrary code); "
+            "use a Hugging Face folder with safetensors weights"
+        )
+    readers = ", ".join(f"{r.name} ({r.description})" for r in host.artifact_readers)
+    raise ModelLoadError(f"{path}: no artifact reader recognises it; readers: {readers}")
+
+
+def load_model(
+    path: str | Path, *, host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig
+) -> LoadedModel:
+    start = time.perf_counter()
+    artifact = open_artifact(host, path)
+    raw = artifact.config
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ModelLoadError(f"{artifact.path / 'config.json'}: no 'architectures' entry")
+    try:
+        family = host.family_for(archs[0])
+    except UnknownNameError as exc:
+        raise ModelLoadError(f"{artifact.path / 'config.json'}: {exc}") from None
+    config = family.parse_config(raw)
+    backend_report = choose(host, "kernel_backends", device, runtime.gemm_backend)
+    if backend_report.chosen is None:
+        raise ModelLoadError("no kernel backend supports this device (see `ninfer probe`)")
+    ops = host.kernel_backends.get(backend_report.chosen).create_ops(device)
+    dtype = compute_dtype(runtime.dtype, device)
+    model = family.build(config, ops, dtype)
+    family.load_weights(model, artifact)
+    model.eval()
+    return LoadedModel(
+        path=Path(path),
+        artifact=artifact,
+        config=config,
+        family=family,
+        model=model,
+        ops=ops,
+        dtype=dtype,
+        backend=backend_report.chosen,
+        load_seconds=time.perf_counter() - start,
+    )

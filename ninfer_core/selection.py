@@ -1,0 +1,134 @@
+"""Which plugin serves each extension point on a device, and why.
+
+Two kinds of extension point: *exclusive* ones (kernel backend, KV codec, draft
+strategy) where one candidate is chosen, and *pooled* ones (artifact readers,
+model families, frontends) where every supported candidate stays available.
+A configured choice that the device refuses fails here, at startup, with the
+reason and the names of the alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from ninfer_core.device import DeviceInfo
+from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
+from ninfer_core.plugin_host import EXTENSION_POINTS, PluginHost
+from ninfer_core.support import Support
+
+Status = Literal["chosen", "available", "refused", "not chosen"]
+
+EXCLUSIVE = ("kernel_backends", "kv_codecs", "draft_strategies")
+#: The option that picks each exclusive point, for messages.
+OPTION_OF = {
+    "kernel_backends": "--gemm-backend",
+    "kv_codecs": "--kv-dtype",
+    "draft_strategies": "--spec",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    distribution: str
+    description: str
+    status: Status
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PointReport:
+    point: str
+    kind: str
+    chosen: str | None
+    candidates: list[Candidate]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check(obj: Any, device: DeviceInfo) -> Support:
+    try:
+        support = obj.supports(device)
+    except Exception as exc:  # a probe that crashes refuses, it does not crash the host
+        return Support.no(f"supports() raised {type(exc).__name__}: {exc}")
+    if not isinstance(support, Support):
+        return Support.no(f"supports() returned {support!r}, not a Support")
+    return support
+
+
+def default_kv_codec(device: DeviceInfo) -> str:
+    """KV dtype for `auto`: the compute dtype the device runs models in."""
+    if device.cuda is not None:
+        return "fp16"
+    return "bf16"
+
+
+def choose(host: PluginHost, point: str, device: DeviceInfo, requested: str | None) -> PointReport:
+    """Report every candidate of `point`; for an exclusive point, pick one.
+
+    `requested` is the configured name, `"auto"` (best supported) or None (nothing
+    wanted: e.g. no `--spec`). A requested name that is unknown or refused raises.
+    """
+    registry = host.registries[point]
+    kind = EXTENSION_POINTS[point][1]
+    checks = {e.name: (_check(e.obj, device), e) for e in registry.entries()}
+    supported = [n for n, (s, _) in checks.items() if s.ok]
+    chosen: str | None = None
+    if point in EXCLUSIVE and requested not in (None, "none"):
+        if requested == "auto":
+            chosen = _auto_pick(point, supported, checks, device)
+        else:
+            if requested not in checks:
+                raise UnknownNameError(kind, requested, checks)
+            support = checks[requested][0]
+            if not support.ok:
+                others = [n for n in supported if n != requested]
+                alternatives = ", ".join(others) if others else "none on this device"
+                raise UnsupportedChoiceError(
+                    f"{OPTION_OF[point]} {requested}: {kind} {requested!r} cannot run on "
+                    f"{_device_name(device)}: {support.reason}; alternatives: {alternatives}"
+                )
+            chosen = requested
+    candidates = []
+    for name, (support, entry) in checks.items():
+        if not support.ok:
+            status: Status = "refused"
+        elif point not in EXCLUSIVE:
+            status = "available"
+        else:
+            status = "chosen" if name == chosen else "not chosen"
+        candidates.append(
+            Candidate(name, entry.distribution, entry.obj.description, status, support.reason)
+        )
+    return PointReport(point, kind, chosen, candidates)
+
+
+def _auto_pick(point: str, supported: list[str], checks: dict, device: DeviceInfo) -> str | None:
+    if not supported:
+        return None
+    if point == "kv_codecs":
+        preferred = default_kv_codec(device)
+        return preferred if preferred in supported else supported[0]
+    # Highest priority wins; registration order breaks ties.
+    return max(supported, key=lambda n: getattr(checks[n][1].obj, "priority", 0))
+
+
+def _device_name(device: DeviceInfo) -> str:
+    if device.cuda is not None:
+        return f"{device.cuda.name} (SM{device.cuda.sm_version})"
+    return "the CPU"
+
+
+def probe(
+    host: PluginHost,
+    device: DeviceInfo,
+    *,
+    gemm_backend: str = "auto",
+    kv_dtype: str = "auto",
+    spec: str | None = None,
+) -> list[PointReport]:
+    """The whole selection, in the order `ninfer probe` prints it."""
+    requested = {"kernel_backends": gemm_backend, "kv_codecs": kv_dtype, "draft_strategies": spec}
+    return [choose(host, p, device, requested.get(p)) for p in EXTENSION_POINTS]
