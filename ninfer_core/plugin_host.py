@@ -143,7 +143,8 @@ def create_host(
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise NInferError(f"plugin {exc.plugin_name!r}: {exc}") from None
+        name = host.pm.get_name(exc.plugin) or repr(exc.plugin)
+        raise NInferError(f"plugin {name!r}: {exc}") from None
     if trace:
         pm.trace.root.setwriter(_trace_writer)
         pm.enable_tracing()

@@ -63,8 +63,10 @@ class ModelConfig:
                 f"{source}: num_attention_heads={heads} is not a multiple of "
                 f"num_key_value_heads={kv_heads}"
             )
-        if raw.get("sliding_window") and raw.get("use_sliding_window", True) and (
-            raw.get("model_type") == "mistral"
+        if (
+            raw.get("sliding_window")
+            and raw.get("use_sliding_window", True)
+            and (raw.get("model_type") == "mistral")
         ):
             raise ModelLoadError(f"{source}: sliding-window attention is not supported yet")
         eos = raw.get("eos_token_id")

@@ -1,0 +1,67 @@
+"""`ModelRunner`: runs one step of a batch through the model and returns next-token logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ninfer_core.engine.attention_meta import AttentionMetadata
+from ninfer_core.engine.block_manager import BlockManager
+from ninfer_core.engine.sequence import Sequence
+
+
+class ModelRunner:
+    """Executes what the scheduler decided; it makes no policy.
+
+    One `run` is one forward over every scheduled token (prefill chunks and decode
+    tokens alike, flattened varlen). All metadata tensors are built before the forward,
+    so the layer loop never waits on the host.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_store, block_manager: BlockManager) -> None:
+        self.model = model
+        self.kv_store = kv_store
+        self.block_manager = block_manager
+        self.device = next(model.parameters()).device
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def prepare(
+        self, batch: Seq[tuple[Sequence, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids [T], positions [T], metadata) for running `n` tokens of each sequence.
+
+        Grows block tables where needed; the scheduler has checked `can_allocate`.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        for seq, n in batch:
+            self.block_manager.allocate(seq, n)
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+        meta = AttentionMetadata.build(batch, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        return input_ids, pos, meta
+
+    @torch.inference_mode()
+    def run(self, batch: Seq[tuple[Sequence, int]], *, all_tokens: bool = False) -> torch.Tensor:
+        """Run `n` new tokens of each `(seq, n)`; logits [B, vocab] fp32 of each one's last token.
+
+        `all_tokens=True` returns logits [T, vocab] for every new token instead (what
+        verifying speculative drafts needs). Afterwards each sequence's
+        `num_computed_tokens` has advanced by `n` (its K/V are in the cache);
+        appending the sampled token is the caller's job.
+        """
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
+        if not all_tokens:
+            hidden = hidden[meta.query_start_loc[1:].long() - 1]  # [B]: each final row
+        logits = self.model.compute_logits(hidden)
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        return logits

@@ -1,0 +1,67 @@
+"""`DenseDecoder`: a Qwen3 / Llama / Mistral-style decoder-only transformer over a paged cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.layers import DecoderLayer, RMSNorm, empty_param
+from ninfer_core.model.ops import KernelOps
+from ninfer_core.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ninfer_core.engine.attention_meta import AttentionMetadata
+
+
+class DenseDecoder(nn.Module):
+    """Token ids in, final hidden states out; `compute_logits` is separate so the
+    runner projects only the rows it samples from (the last token of each sequence)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: KernelOps,
+        dtype: torch.dtype,
+        context_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.ops, self.dtype = config, ops, dtype
+        dev, vocab, hidden = ops.device, config.vocab_size, config.hidden_size
+        self.embed_tokens = empty_param(vocab, hidden, dtype=dtype, device=dev)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ops, dtype) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        # Tied: the head is the embedding matrix itself, not a copy.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else empty_param(vocab, hidden, dtype=dtype, device=dev)
+        )
+        self.rotary = RotaryEmbedding(config, context_len, dev)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_store,
+    ) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]
+        self.ops.prepare(meta)
+        cos, sin = self.rotary(positions, self.dtype)  # cos, sin: [T, D/2], once per step
+        x = self.embed_tokens[input_ids]
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_store, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits: [N, vocab] fp32 (the GEMM runs in the model dtype)
+        return self.ops.linear(hidden, self.head_weight).float()

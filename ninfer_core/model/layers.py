@@ -1,0 +1,115 @@
+"""Building blocks of a dense decoder: RMSNorm, SwiGLU MLP, attention over the paged cache.
+
+Parameters are plain uninitialised tensors filled by `weights.load_weights`. Projections
+that read the same input are fused at load time (q|k|v into `qkv_proj`, gate|up into
+`gate_up_proj`) so a decode step issues one GEMM where the checkpoint has two or three.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.ops import KernelOps
+
+if TYPE_CHECKING:
+    from ninfer_core.engine.attention_meta import AttentionMetadata
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised, frozen parameter: inference never needs autograd state."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops, self.eps = ops, eps
+        self.weight = empty_param(size, dtype=dtype, device=ops.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up as one [2I, H] weight."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops = ops
+        h, i, dev = config.hidden_size, config.intermediate_size, ops.device
+        self.intermediate_size = i
+        self.gate_up_proj = empty_param(2 * i, h, dtype=dtype, device=dev)
+        self.down_proj = empty_param(h, i, dtype=dtype, device=dev)
+        self.gate_up_bias = empty_param(2 * i, dtype=dtype, device=dev) if config.mlp_bias else None
+        self.down_bias = empty_param(h, dtype=dtype, device=dev) if config.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> gate_up: [T, 2I] -> [T, H]
+        gate_up = self.ops.linear(x, self.gate_up_proj, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.ops.linear(self.ops.silu_and_mul(gate, up), self.down_proj, self.down_bias)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops, self.layer = ops, layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        h, dev = config.hidden_size, ops.device
+        qkv = self.q_size + 2 * self.kv_size
+        self.qkv_proj = empty_param(qkv, h, dtype=dtype, device=dev)
+        self.o_proj = empty_param(h, self.q_size, dtype=dtype, device=dev)
+        self.qkv_bias = empty_param(qkv, dtype=dtype, device=dev) if config.attention_bias else None
+        self.o_bias = empty_param(h, dtype=dtype, device=dev) if config.attention_bias else None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_store,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # x: [T, hidden] -> qkv: [T, (H + 2 Hkv) D]
+        t = x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # q: [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.apply_rope(q, k, cos, sin)
+        out = self.ops.paged_attention(q, k, v, kv_store, self.layer, meta, self.scale)
+        # out: [T, H, D] -> [T, hidden]
+        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer: int, ops: KernelOps, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
+        self.self_attn = Attention(config, layer, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, dtype)
+        self.mlp = MLP(config, ops, dtype)
+
+    def forward(self, x, cos, sin, kv_store, meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_store, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,72 @@
+"""`KernelOps`: every tensor operation the model runtime calls through a kernel backend.
+
+The model never calls a kernel directly; it holds one `KernelOps` and calls these
+methods, so a backend (the torch reference in `plugins/backend_torch.py`, Triton,
+CuPy) can replace any subset. Shapes use T = tokens in the step (all sequences
+flattened), H = query heads, Hkv = KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ninfer_core.engine.attention_meta import AttentionMetadata
+
+
+class KernelOps:
+    """The op contract. Subclasses implement each method; the docstrings are the spec."""
+
+    #: Short backend name, for logs and `ninfer probe`.
+    name: str = "abstract"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        #: Where the model's parameters and activations live.
+        self.device = torch.device(device)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per forward, before the layer loop: build per-step attention
+        state (masks, index tensors) into `meta.plan` so no layer rebuilds it."""
+
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [T, in], w: [out, in] (the HF layout), b: [out] -> [T, out]."""
+        raise NotImplementedError
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [..., N], w: [N] -> [..., N]; statistics in fp32, result in x.dtype."""
+        raise NotImplementedError
+
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up: [T, I] -> silu(gate) * up: [T, I]."""
+        raise NotImplementedError
+
+    def apply_rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D/2] -> rotated (q, k).
+
+        Neox / HF layout: dimension i pairs with i + D/2 (`rotate_half`).
+        """
+        raise NotImplementedError
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        kv_store,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V, then attend. q: [T, H, D], k_new/v_new: [T, Hkv, D] -> [T, H, D].
+
+        K/V go to `kv_store` at `meta.slot_mapping`; then each sequence's query tokens
+        attend causally over its whole cached context (earlier steps plus this one).
+        H is a multiple of Hkv (grouped-query attention).
+        """
+        raise NotImplementedError

@@ -1,0 +1,112 @@
+"""Map Hugging Face tensor names onto `DenseDecoder` parameters and load them.
+
+The checkpoint's q/k/v and gate/up projections land in row ranges of our fused
+`qkv_proj` and `gate_up_proj`. Every expected tensor and its shape is checked before
+any is read, so a bad checkpoint fails in one line and never half-loads. Tensors we
+do not use (rotary `inv_freq`, extra MTP layers, a tied model's `lm_head`) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_core.errors import ModelLoadError
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.plugin_types import Artifact
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Checkpoint tensor `hf_name` fills rows `offset:offset + shape[0]` of `param`."""
+
+    hf_name: str
+    param: str
+    offset: int
+    shape: tuple[int, ...]
+
+
+def weight_plan(config: ModelConfig) -> list[WeightSlot]:
+    """Every tensor a dense checkpoint must provide, and where it goes."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    plan = [WeightSlot("model.embed_tokens.weight", "embed_tokens", 0, (config.vocab_size, h))]
+    for n in range(config.num_layers):
+        hf, ours = f"model.layers.{n}.", f"layers.{n}."
+        att, mlp = ours + "self_attn.", ours + "mlp."
+        plan += [
+            WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
+            WeightSlot(
+                hf + "post_attention_layernorm.weight",
+                ours + "post_attention_layernorm.weight",
+                0,
+                (h,),
+            ),
+            WeightSlot(hf + "self_attn.q_proj.weight", att + "qkv_proj", 0, (q, h)),
+            WeightSlot(hf + "self_attn.k_proj.weight", att + "qkv_proj", q, (kv, h)),
+            WeightSlot(hf + "self_attn.v_proj.weight", att + "qkv_proj", q + kv, (kv, h)),
+            WeightSlot(hf + "self_attn.o_proj.weight", att + "o_proj", 0, (h, q)),
+            WeightSlot(hf + "mlp.gate_proj.weight", mlp + "gate_up_proj", 0, (i, h)),
+            WeightSlot(hf + "mlp.up_proj.weight", mlp + "gate_up_proj", i, (i, h)),
+            WeightSlot(hf + "mlp.down_proj.weight", mlp + "down_proj", 0, (h, i)),
+        ]
+        if config.attention_bias:
+            plan += [
+                WeightSlot(hf + "self_attn.q_proj.bias", att + "qkv_bias", 0, (q,)),
+                WeightSlot(hf + "self_attn.k_proj.bias", att + "qkv_bias", q, (kv,)),
+                WeightSlot(hf + "self_attn.v_proj.bias", att + "qkv_bias", q + kv, (kv,)),
+                WeightSlot(hf + "self_attn.o_proj.bias", att + "o_bias", 0, (h,)),
+            ]
+        if config.mlp_bias:
+            plan += [
+                WeightSlot(hf + "mlp.gate_proj.bias", mlp + "gate_up_bias", 0, (i,)),
+                WeightSlot(hf + "mlp.up_proj.bias", mlp + "gate_up_bias", i, (i,)),
+                WeightSlot(hf + "mlp.down_proj.bias", mlp + "down_bias", 0, (h,)),
+            ]
+        if config.qk_norm:
+            plan += [
+                WeightSlot(hf + "self_attn.q_norm.weight", att + "q_norm.weight", 0, (d,)),
+                WeightSlot(hf + "self_attn.k_norm.weight", att + "k_norm.weight", 0, (d,)),
+            ]
+    plan.append(WeightSlot("model.norm.weight", "norm.weight", 0, (h,)))
+    if not config.tie_word_embeddings:
+        plan.append(WeightSlot("lm_head.weight", "lm_head", 0, (config.vocab_size, h)))
+    return plan
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_weights(config: ModelConfig, artifact: Artifact) -> list[WeightSlot]:
+    """The plan, after checking every tensor exists with the expected shape."""
+    plan = weight_plan(config)
+    names = set(artifact.tensor_names())
+    for slot in plan:
+        if slot.hf_name not in names:
+            raise ModelLoadError(
+                f"{artifact.path}: missing tensor {slot.hf_name!r} "
+                f"(expected shape {_fmt(slot.shape)})"
+            )
+        found = tuple(artifact.tensor_shape(slot.hf_name))
+        if found != slot.shape:
+            # Name the shard when the reader can tell which file holds the tensor.
+            where = getattr(artifact, "tensor_file", None)
+            file = where(slot.hf_name) if where else artifact.path
+            raise ModelLoadError(
+                f"{file}: tensor {slot.hf_name!r} has shape {_fmt(found)}, "
+                f"expected {_fmt(slot.shape)}"
+            )
+    return plan
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, artifact: Artifact) -> None:
+    """Fill `model` (a `DenseDecoder`) from `artifact`, casting to the model's dtype."""
+    plan = check_weights(model.config, artifact)
+    params = dict(model.named_parameters())
+    for slot in plan:
+        target = params[slot.param]
+        rows = target.narrow(0, slot.offset, slot.shape[0])
+        rows.copy_(artifact.load_tensor(slot.hf_name))  # copy_ casts dtype and device

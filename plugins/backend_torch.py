@@ -1,0 +1,114 @@
+"""The `torch` kernel backend: the reference every other backend is checked against.
+
+Plain PyTorch ops; runs wherever torch runs. Attention gathers the cached pages of
+the batch and calls `F.scaled_dot_product_attention` (grouped-query heads through
+`enable_gqa`), with one mask built per step in `prepare`, not per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_core import hookimpl
+from ninfer_core.device import DeviceInfo
+from ninfer_core.engine.attention_meta import AttentionMetadata
+from ninfer_core.model.ops import KernelOps
+from ninfer_core.support import Support
+
+
+class TorchOps(KernelOps):
+    name = "torch"
+
+    def linear(self, x, w, b=None):
+        return F.linear(x, w, b)
+
+    def rms_norm(self, x, w, eps):
+        # Statistics in fp32, then back to x.dtype before the weight, as transformers does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    def silu_and_mul(self, gate, up):
+        return F.silu(gate) * up
+
+    def apply_rope(self, q, k, cos, sin):
+        # q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D/2] -> broadcast over heads
+        cos, sin = cos[:, None, :], sin[:, None, :]
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+        return rotate(q), rotate(k)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build the step's attention mask (and padding index for batches) once."""
+        b, qmax, s = meta.batch_size, meta.max_query_len, meta.max_context_len
+        if b == 1 and qmax in (1, s):
+            return  # decode or a whole prompt: SDPA needs no mask (see paged_attention)
+        dev = meta.slot_mapping.device
+        qlen = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [B]
+        # Query i of sequence b sits at position ctx_b - qlen_b + i and sees keys <= it.
+        q_pos = (meta.context_lens_tensor - qlen)[:, None] + torch.arange(qmax, device=dev)
+        keys = torch.arange(s, device=dev)
+        meta.plan["mask"] = keys[None, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, Qmax, S]
+        if b > 1:
+            # Row of each flattened token in the padded [B * Qmax] query batch.
+            rows = [i * qmax + j for i, n in enumerate(meta.query_lens) for j in range(n)]
+            meta.plan["pad_index"] = torch.tensor(rows, dtype=torch.int64).to(dev)
+
+    def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
+        # q: [T, H, D], k_new/v_new: [T, Hkv, D]
+        kv_store.write(layer, meta.slot_mapping, k_new, v_new)
+        t, h, d = q.shape
+        if meta.batch_size == 1:
+            length = meta.context_lens[0]
+            k, v = kv_store.gather(layer, meta.block_tables[0], length)  # [L, Hkv, D]
+            k, v = k.to(q.dtype).transpose(0, 1)[None], v.to(q.dtype).transpose(0, 1)[None]
+            if t == 1:  # decode: the one new token sees everything cached
+                mask, causal = None, False
+            elif t == length:  # whole-prompt prefill: plain causal
+                mask, causal = None, True
+            else:  # a later prefill chunk: causal, offset by the cached prefix
+                mask, causal = meta.plan["mask"], False
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
+            )  # [1, H, T, D]
+            return out[0].transpose(0, 1)
+        # Batch: pad queries to [B, Qmax], gather every sequence's pages, mask per row.
+        b, qmax, s = meta.batch_size, meta.max_query_len, meta.max_context_len
+        nb = -(-s // meta.block_size)
+        k, v = kv_store.gather(layer, meta.block_tables[:, :nb], s)  # [B, S, Hkv, D]
+        k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)
+        pad_index = meta.plan["pad_index"]
+        qp = q.new_zeros(b * qmax, h, d).index_copy_(0, pad_index, q)
+        qp = qp.view(b, qmax, h, d).transpose(1, 2)  # [B, H, Qmax, D]
+        out = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=meta.plan["mask"], scale=scale, enable_gqa=True
+        )  # [B, H, Qmax, D]
+        return out.transpose(1, 2).reshape(b * qmax, h, d)[pad_index]
+
+
+class TorchBackend:
+    name = "torch"
+    description = "PyTorch reference kernels (F.linear, SDPA over gathered KV pages)"
+    priority = 0
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return Support.yes("runs wherever torch runs")
+
+    def create_ops(self, device: DeviceInfo | torch.device | str) -> TorchOps:
+        where = device.torch_device if isinstance(device, DeviceInfo) else device
+        return TorchOps(where)
+
+
+@hookimpl
+def register_kernel_backends() -> list[TorchBackend]:
+    return [TorchBackend()]
