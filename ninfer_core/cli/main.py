@@ -15,7 +15,6 @@ COMMANDS = {
     "generate": "ninfer_core.cli.generate_cmd",
     "probe": "ninfer_core.cli.probe_cmd",
     "plugins": "ninfer_core.cli.plugins_cmd",
-    "bench": "ninfer_core.cli.bench_cmd",
 }
 
 

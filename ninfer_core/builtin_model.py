@@ -1,0 +1,144 @@
+"""The small built-in model used when no MODEL is given.
+
+A Qwen3-architecture model with random weights drawn from a fixed seed and a
+byte-level tokenizer (every byte one token, no merges), written once as a normal
+Hugging Face folder so it loads through the same reader and family as any model.
+It needs no network; its answers are noise until a trained model ships.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+BUILTIN_NAME = "ninfer-builtin-random-v1"
+SEED = 20261202
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 256 + len(SPECIAL_TOKENS),
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": None,
+    "eos_token_id": 256 + 2,
+}
+
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions. Signatures:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\nReturn each call as <tool_call>\\n' }}
+{{- '{"name": ..., "arguments": ...}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role != 'system' %}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map used by byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok.to_str()
+
+
+def _weights(config: dict) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(SEED)
+    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    out = {"model.embed_tokens.weight": rand(config["vocab_size"], h)}
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out |= {
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(q, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, q),
+            p + "self_attn.q_norm.weight": torch.ones(d),
+            p + "self_attn.k_norm.weight": torch.ones(d),
+            p + "mlp.gate_proj.weight": rand(i, h),
+            p + "mlp.up_proj.weight": rand(i, h),
+            p + "mlp.down_proj.weight": rand(h, i),
+        }
+    out["model.norm.weight"] = torch.ones(h)
+    return out
+
+
+def builtin_model_dir() -> Path:
+    base = os.environ.get("NINFER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ninfer"
+    )
+    return Path(base) / BUILTIN_NAME
+
+
+def ensure_builtin_model(path: Path | None = None) -> Path:
+    """Write the built-in model folder if it is not there yet; return its path."""
+    from safetensors.torch import save_file
+
+    path = path or builtin_model_dir()
+    if (path / "model.safetensors").is_file():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (tmp / "tokenizer.json").write_text(_tokenizer_json())
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [256 + 2, 256 + 0], "do_sample": False})
+    )
+    save_file(_weights(CONFIG), str(tmp / "model.safetensors"))
+    # Rename into place last, so a half-written folder is never taken for the model.
+    os.replace(tmp, path) if not path.exists() else None
+    return path

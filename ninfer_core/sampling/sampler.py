@@ -1,0 +1,221 @@
+"""`Sampler`: one next token per sequence for a decode batch.
+
+The transforms are vectorised over the batch with per-row parameters (a row with a filter
+off gets the neutral value), so a batch costs the same few kernels whatever mix of settings it
+holds. Only the draw itself splits: seeded rows draw from their own generators, one row at a
+time, so that a seeded request's tokens never depend on which others share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ninfer_core.sampling.params import SamplingParams
+from ninfer_core.sampling.penalties import SequenceTokens, apply_penalties
+
+_NEG_INF = float("-inf")
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V], temperature: [R] (every entry > 0) -> [R, V]."""
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf what top-k and then top-p remove, sharing one sort.
+
+    logits: [R, V]; top_k: [R] long in 1..V (V: off); top_p: [R] threshold 1 - p, or -1 for
+    off. Ties at the k-th value all survive, and top-p drops the ascending prefix whose
+    cumulative probability is <= 1 - p, always keeping the most likely token — the same rules
+    as transformers' TopKLogitsWarper and TopPLogitsWarper.
+    """
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))  # k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p × the top probability. logits: [R, V], min_p: [R]."""
+    probs = logits.softmax(dim=-1)
+    drop = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature → top-k → top-p → min-p for non-greedy rows. logits: [R, V] fp32."""
+    vocab, device = logits.shape[1], logits.device
+
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    logits = apply_temperature(logits, column([p.temperature for p in params]))
+    top_k = top_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.long)
+    if any(p.top_p < 1 for p in params):
+        top_p = column([1 - p.top_p if p.top_p < 1 else -1.0 for p in params])
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, column([p.min_p for p in params]))
+    return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One categorical draw per row by inverse CDF. probs: [R, V] -> [R] long.
+
+    One uniform per row instead of one per token (an exponential race or torch.multinomial
+    costs ~15x more on CPU), no host sync on CUDA, and a seeded row consumes exactly one number
+    of its stream per step. The CDF is fp64 so that rounding over ~150k terms cannot move mass.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [R, V]
+    uniform = torch.rand(
+        probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator
+    )
+    # u in (0, total]: the first index with cdf >= u has p > 0 (zero-probability tokens only
+    # repeat the previous cdf value) and is never past the end.
+    return torch.searchsorted(cdf, (1 - uniform) * cdf[:, -1:]).squeeze(1)
+
+
+class Sampler:
+    """Turns a batch of last-position logits into next tokens.
+
+    Stateless apart from the shared generator for unseeded requests (one per device, seeded
+    from `seed` so that a whole engine can be made reproducible in tests; random otherwise).
+    Per-sequence state — tokens for penalties and a seeded request's own generator — lives
+    in each sequence's `SequenceTokens`.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[SequenceTokens],
+    ) -> torch.Tensor:
+        """logits: [B, V] (fp32; other float dtypes are converted) -> token ids [B] long.
+
+        Row i uses params[i] and histories[i]; the histories are read, never appended to —
+        the caller appends the chosen token once it accepts it.
+        """
+        logits = self._check(logits, params, histories)
+        if all(p.greedy and not p.has_penalties for p in params):
+            return logits.argmax(dim=-1)  # fast path: no per-row work at all
+        logits = self._penalise(logits, params, histories)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy) == len(params):
+            return logits.argmax(dim=-1)
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        rows = logits if not greedy else logits[random]
+        row_params = [params[i] for i in random]
+        probs = warp_logits(rows, row_params).softmax(dim=-1)
+        tokens[random] = self._draw(probs, row_params, [histories[i] for i in random])
+        return tokens
+
+    def probabilities(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[SequenceTokens],
+    ) -> torch.Tensor:
+        """The distribution `sample` draws from, [B, V] fp32; a greedy row is one-hot.
+
+        Speculative verification needs this to accept a draft token with probability q/p.
+        """
+        logits = self._penalise(self._check(logits, params, histories), params, histories)
+        probs = torch.zeros_like(logits)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+        if random:
+            warped = warp_logits(logits[random], [params[i] for i in random])
+            probs[random] = warped.softmax(dim=-1)
+        return probs
+
+    @staticmethod
+    def _check(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[SequenceTokens],
+    ) -> torch.Tensor:
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a float [B, V] tensor, got {tuple(logits.shape)}")
+        if not len(params) == len(histories) == logits.shape[0]:
+            raise ValueError(
+                f"batch of {logits.shape[0]} logits rows with {len(params)} params "
+                f"and {len(histories)} histories"
+            )
+        return logits.float()
+
+    @staticmethod
+    def _penalise(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[SequenceTokens],
+    ) -> torch.Tensor:
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if not rows:
+            return logits
+        if len(rows) == len(params):
+            return apply_penalties(logits, params, histories)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        penalised = apply_penalties(
+            logits[index], [params[i] for i in rows], [histories[i] for i in rows]
+        )
+        return logits.index_copy(0, index, penalised)  # out of place: the caller's logits stay
+
+    def _draw(
+        self,
+        probs: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[SequenceTokens],
+    ) -> torch.Tensor:
+        """probs: [R, V] -> [R]; unseeded rows in one draw, seeded rows one by one."""
+        device = probs.device
+        tokens = torch.empty(probs.shape[0], dtype=torch.long, device=device)
+        shared = [j for j, p in enumerate(params) if p.seed is None]
+        if shared:
+            rows = probs if len(shared) == len(params) else probs[shared]
+            tokens[shared] = draw(rows, self._shared_generator(device))
+        for j, (p, history) in enumerate(zip(params, histories, strict=True)):
+            if p.seed is not None:
+                tokens[j] = draw(probs[j : j + 1], self._own_generator(history, p.seed, device))[0]
+        return tokens
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()  # fresh entropy, as torch's default generator would have
+            else:
+                generator.manual_seed(self._seed % 2**64)
+            self._shared[device] = generator
+        return generator
+
+    @staticmethod
+    def _own_generator(history: SequenceTokens, seed: int, device: torch.device) -> torch.Generator:
+        """The request's generator, seeded once on its first draw, so later draws continue it."""
+        if history.generator is None:
+            history.generator = torch.Generator(device=device)
+            history.generator.manual_seed(seed % 2**64)
+        return history.generator
