@@ -58,7 +58,10 @@ def reference_warp(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 FILTER_CASES = {
     "temperature": [SamplingParams(temperature=t) for t in (0.7, 1.0, 1.5)],
-    "top_k": [SamplingParams(top_k=k) for k in (1, 5, 40, VOCAB + 10)],
+    # Every row with a k: the top-k-candidates path; a k past the vocabulary: the full sort.
+    "top_k": [SamplingParams(top_k=k) for k in (1, 5, 40)],
+    "top_k_past_vocab": [SamplingParams(top_k=k) for k in (3, VOCAB + 10)],
+    "top_k_top_p": [SamplingParams(top_k=k, top_p=p) for k, p in ((20, 0.9), (50, 0.5), (8, 1))],
     # 1e-8: 1 - p rounds to 1 in fp32, so only the keep-the-top-token rule leaves anything.
     "top_p": [SamplingParams(top_p=p) for p in (1e-8, 0.05, 0.5, 0.9, 0.999)],
     "min_p": [SamplingParams(min_p=m) for m in (0.01, 0.1, 0.5, 1.0)],
@@ -83,6 +86,26 @@ def test_filters_match_transformers(case: str) -> None:
         ref = reference_warp(logits[i], p)
         assert torch.equal(torch.isfinite(warped[i]), torch.isfinite(ref)), (case, i)
         torch.testing.assert_close(probs[i], ref.softmax(-1), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("ks", [(3, 10, 25), (3, -1)])
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_top_k_ties_survive_like_transformers(ks: tuple[int, ...], top_p: float) -> None:
+    # Coarse logits (as bf16 logits are) make ties at the k-th value common.
+    logits = (random_logits(len(ks), seed=5) * 2).round() / 2
+    params = [SamplingParams(top_k=k, top_p=top_p) for k in ks]
+    warped = warp_logits(logits, params)
+    for i, p in enumerate(params):
+        ref = reference_warp(logits[i], p)
+        if top_p == 1.0:
+            assert torch.equal(torch.isfinite(warped[i]), torch.isfinite(ref)), (ks, i)
+        # Which of several equal logits top-p cuts at its boundary depends on how the sort
+        # breaks ties, so only the multiset of surviving values is defined.
+        mine, theirs = warped[i][torch.isfinite(warped[i])], ref[torch.isfinite(ref)]
+        assert torch.equal(mine.sort().values, theirs.sort().values), (ks, i)
+        torch.testing.assert_close(
+            warped[i].softmax(-1).sort().values, ref.softmax(-1).sort().values, atol=1e-6, rtol=0
+        )
 
 
 def test_repetition_penalty_matches_transformers() -> None:
@@ -151,6 +174,10 @@ def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
     tokens = Sampler().sample(logits, params, histories)
     assert torch.equal(tokens, logits.argmax(-1))
     assert tokens[0].item() == 3
+    mixed = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0)] * 2
+    tokens = Sampler(seed=0).sample(logits, mixed, histories)
+    assert tokens[::3].tolist() == logits[::3].argmax(-1).tolist()
+    assert tokens[2::3].tolist() == logits[2::3].argmax(-1).tolist()
 
 
 def seeded_stream(sampler: Sampler, seed: int, steps: int, neighbour: bool) -> list[int]:

@@ -24,7 +24,10 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    k_max: int | None = None,
 ) -> torch.Tensor:
     """Mask to -inf what top-k and then top-p remove, sharing one sort.
 
@@ -32,17 +35,33 @@ def apply_top_k_top_p(
     off. Ties at the k-th value all survive, and top-p drops the ascending prefix whose
     cumulative probability is <= 1 - p, always keeping the most likely token — the same rules
     as transformers' TopKLogitsWarper and TopPLogitsWarper.
+
+    `k_max`, the largest k when every row has one, replaces the full-vocabulary sort by a
+    top-k of the candidates (a sort of 150k entries per row costs ~10 ms a row on CPU).
     """
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))  # k-th largest
+    vocab = logits.shape[1]
+    kth = None
+    if top_k is not None and k_max is not None and k_max < vocab:
+        values, order = logits.topk(k_max, dim=-1)  # descending
+        kth = values.gather(1, (top_k - 1).unsqueeze(1))  # k-th largest
+        width = int((logits >= kth).sum(dim=-1).max())  # ties at the k-th value survive too
+        if width > k_max:
+            values, order = logits.topk(width, dim=-1)
+        sorted_logits, order = values.flip(1), order.flip(1)  # ascending
+        out = torch.full_like(logits, _NEG_INF)
+    else:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        out = torch.empty_like(logits)
+        if top_k is not None:
+            kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))  # k-th largest
+    if kth is not None:
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
     if top_p is not None:
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative <= top_p.unsqueeze(1)
         drop[:, -1] = False
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return out.scatter_(1, order, sorted_logits)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -60,13 +79,15 @@ def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         return torch.tensor(values, dtype=dtype, device=device)
 
     logits = apply_temperature(logits, column([p.temperature for p in params]))
-    top_k = top_p = None
+    top_k = top_p = k_max = None
+    if all(p.top_k > 0 for p in params):
+        k_max = min(max(p.top_k for p in params), vocab)
     if any(p.top_k > 0 for p in params):
         top_k = column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.long)
     if any(p.top_p < 1 for p in params):
         top_p = column([1 - p.top_p if p.top_p < 1 else -1.0 for p in params])
     if top_k is not None or top_p is not None:
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+        logits = apply_top_k_top_p(logits, top_k, top_p, k_max)
     if any(p.min_p > 0 for p in params):
         logits = apply_min_p(logits, column([p.min_p for p in params]))
     return logits
