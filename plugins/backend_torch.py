@@ -64,18 +64,17 @@ class TorchOps(KernelOps):
         t, h, d = q.shape
         if meta.batch_size == 1:
             length = meta.context_lens[0]
-            k, v = kv_store.gather(layer, meta.block_tables[0], length)  # [L, Hkv, D]
-            k, v = k.to(q.dtype).transpose(0, 1)[None], v.to(q.dtype).transpose(0, 1)[None]
+            k, v = gather_heads(kv_store, layer, meta.block_tables[0], length, q.dtype)
             if t == 1:  # decode: the one new token sees everything cached
-                mask, causal = None, False
-            elif t == length:  # whole-prompt prefill: plain causal
+                return _decode_one(q, k, v, scale)
+            if t == length:  # whole-prompt prefill: plain causal
                 mask, causal = None, True
             else:  # a later prefill chunk: causal, offset by the cached prefix
                 mask, causal = meta.plan["mask"], False
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
-                k,
-                v,
+                k[None],
+                v[None],
                 attn_mask=mask,
                 is_causal=causal,
                 scale=scale,
@@ -85,8 +84,7 @@ class TorchOps(KernelOps):
         # Batch: pad queries to [B, Qmax], gather every sequence's pages, mask per row.
         b, qmax, s = meta.batch_size, meta.max_query_len, meta.max_context_len
         nb = -(-s // meta.block_size)
-        k, v = kv_store.gather(layer, meta.block_tables[:, :nb], s)  # [B, S, Hkv, D]
-        k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)
+        k, v = gather_heads(kv_store, layer, meta.block_tables[:, :nb], s, q.dtype)
         pad_index = meta.plan["pad_index"]
         qp = q.new_zeros(b * qmax, h, d).index_copy_(0, pad_index, q)
         qp = qp.view(b, qmax, h, d).transpose(1, 2)  # [B, H, Qmax, D]
@@ -94,6 +92,35 @@ class TorchOps(KernelOps):
             qp, k, v, attn_mask=meta.plan["mask"], scale=scale, enable_gqa=True
         )  # [B, H, Qmax, D]
         return out.transpose(1, 2).reshape(b * qmax, h, d)[pad_index]
+
+
+def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: torch.dtype):
+    """A sequence's (or batch's) K and V as `[(B,) Hkv, L, D]` in `dtype`.
+
+    Stores that keep pages head-major offer `gather_heads`, which needs no
+    transpose; any other store's token-major `gather` is transposed here.
+    """
+    if hasattr(kv_store, "gather_heads"):
+        k, v = kv_store.gather_heads(layer, table, length)
+    else:
+        k, v = kv_store.gather(layer, table, length)
+        k, v = k.transpose(-3, -2), v.transpose(-3, -2)
+    return k.to(dtype), v.to(dtype)
+
+
+def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token over its whole context, grouped heads as a batched matmul.
+
+    CPU SDPA spends most of its time on setup for a single query row; two small
+    matmuls with the softmax in fp32 are several times faster and as exact.
+    """
+    # q: [1, H, D], k/v: [Hkv, L, D] -> [1, H, D]
+    h, d = q.shape[1], q.shape[2]
+    hkv = k.shape[0]
+    qg = q[0].view(hkv, h // hkv, d)  # [Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, G, L]
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(1, h, d)  # [Hkv, G, D] -> [1, H, D]
 
 
 class TorchBackend:

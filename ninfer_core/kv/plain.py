@@ -8,12 +8,12 @@ from ninfer_core.kv.layout import KVLayout
 
 
 class PlainKVStore:
-    """Per layer, K and V pages `[num_blocks, block_size, Hkv, D]` in `dtype`.
+    """Per layer, K and V pages stored head-major: `[Hkv, num_blocks, block_size, D]`.
 
-    One allocation holds every layer (`[2, L, NB, BS, Hkv, D]`) so the pool is a
-    single contiguous buffer; `k[layer]` / `v[layer]` are views that kernels reading
-    the plain format directly may use. The pool starts zeroed: padded block-table
-    entries point at page 0, and masked-out keys must still be finite.
+    Head-major because attention consumes `[Hkv, L, D]`: gathering a sequence's pages
+    along the block axis then yields that shape with no transpose copy. One
+    allocation holds every layer (`[2, L, Hkv, NB, BS, D]`). The pool starts zeroed:
+    padded block-table entries point at page 0, and masked-out keys must stay finite.
     """
 
     def __init__(
@@ -27,14 +27,14 @@ class PlainKVStore:
         self.dtype = dtype
         self.compute_dtype = compute_dtype or dtype
         self.device = torch.device(device)
-        pages = layout.page_shape
-        self.pool = torch.zeros(2, layout.num_layers, *pages, dtype=dtype, device=device)
+        hkv, nb, bs, d = layout.num_kv_heads, layout.num_blocks, layout.block_size, layout.head_dim
+        self.pool = torch.zeros(2, layout.num_layers, hkv, nb, bs, d, dtype=dtype, device=device)
+        #: Per layer `[Hkv, NB, BS, D]` page views, for kernels that read the pages directly.
         self.k = list(self.pool[0].unbind(0))
         self.v = list(self.pool[1].unbind(0))
-        # Flat slot views: slot s lives at [s // block_size, s % block_size].
-        flat = (layout.num_slots, layout.num_kv_heads, layout.head_dim)
-        self._k_flat = [t.view(flat) for t in self.k]
-        self._v_flat = [t.view(flat) for t in self.v]
+        # Flat slot views `[Hkv, NB * BS, D]`: slot s is block s // BS, offset s % BS.
+        self._k_flat = [t.view(hkv, nb * bs, d) for t in self.k]
+        self._v_flat = [t.view(hkv, nb * bs, d) for t in self.v]
 
     @property
     def nbytes(self) -> int:
@@ -42,20 +42,34 @@ class PlainKVStore:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens. slots: [T] int64; k, v: [T, Hkv, D] in any float dtype."""
-        self._k_flat[layer].index_copy_(0, slots, k.to(self.dtype))
-        self._v_flat[layer].index_copy_(0, slots, v.to(self.dtype))
+        self._k_flat[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
+        self._v_flat[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
-    def gather(
+    def gather_heads(
         self, layer: int, block_table: torch.Tensor, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read pages back. block_table: [nb] or [B, nb] -> k, v: [(B,) L, Hkv, D].
+        """Read pages back head-major. block_table: [nb] or [B, nb] -> [(B,) Hkv, L, D].
 
         `length` (a host int, so no device sync) trims the token axis; pages are
         read whole, which is why padded table entries must name a real page.
         """
-        lead = block_table.shape[:-1]
-        k = self.k[layer][block_table].flatten(len(lead), len(lead) + 1)
-        v = self.v[layer][block_table].flatten(len(lead), len(lead) + 1)
-        if length is not None:
-            k, v = k[..., :length, :, :], v[..., :length, :, :]
-        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+        out = []
+        for pages in (self.k[layer], self.v[layer]):
+            hkv, _, bs, d = pages.shape
+            if block_table.dim() == 1:
+                x = pages.index_select(1, block_table).view(hkv, -1, d)  # [Hkv, nb*BS, D]
+            else:
+                b, nb = block_table.shape
+                x = pages.index_select(1, block_table.reshape(-1))  # [Hkv, B*nb, BS, D]
+                x = x.view(hkv, b, nb * bs, d).transpose(0, 1)  # [B, Hkv, nb*BS, D]
+            if length is not None:
+                x = x[..., :length, :]
+            out.append(x.to(self.compute_dtype))
+        return out[0], out[1]
+
+    def gather(
+        self, layer: int, block_table: torch.Tensor, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read pages back token-major. block_table: [nb] or [B, nb] -> [(B,) L, Hkv, D]."""
+        k, v = self.gather_heads(layer, block_table, length)
+        return k.transpose(-3, -2), v.transpose(-3, -2)
