@@ -86,6 +86,8 @@ def load_model(
     dtype = compute_dtype(runtime.dtype, device)
     model = family.build(config, ops, dtype)
     family.load_weights(model, artifact)
+    if hasattr(model, "pack_weights"):
+        model.pack_weights()
     model.eval()
     return LoadedModel(
         path=Path(path),

@@ -43,9 +43,36 @@ class DenseDecoder(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, context_len, dev)
 
+        #: The head as the kernel backend packed it (see `pack_weights`), or None.
+        self.packed_head = None
+
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def pack_weights(self) -> None:
+        """Hand every projection to the backend's `pack_linear`, once, after loading.
+
+        A tied head is packed as its own copy: the embedding lookup needs the plain
+        matrix, the head GEMM the packed one.
+        """
+        for layer in self.layers:
+            for module, name in (
+                (layer.self_attn, "qkv_proj"),
+                (layer.self_attn, "o_proj"),
+                (layer.mlp, "gate_up_proj"),
+                (layer.mlp, "down_proj"),
+            ):
+                packed = self.ops.pack_linear(getattr(module, name))
+                if packed is not getattr(module, name):
+                    del module._parameters[name]
+                    setattr(module, name, packed)
+        packed = self.ops.pack_linear(self.head_weight)
+        if packed is not self.head_weight:
+            self.packed_head = packed
+            if self.lm_head is not None:  # untied: the packed head replaces the plain one
+                del self._parameters["lm_head"]
+                self.lm_head = packed
 
     def forward(
         self,
@@ -64,4 +91,5 @@ class DenseDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] fp32 (the GEMM runs in the model dtype)
-        return self.ops.linear(hidden, self.head_weight).float()
+        head = self.packed_head if self.packed_head is not None else self.head_weight
+        return self.ops.linear(hidden, head).float()

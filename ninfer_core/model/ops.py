@@ -8,7 +8,7 @@ flattened), H = query heads, Hkv = KV heads, D = head dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,11 +30,16 @@ class KernelOps:
         """Called once per forward, before the layer loop: build per-step attention
         state (masks, index tensors) into `meta.plan` so no layer rebuilds it."""
 
-    def linear(
-        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x: [T, in], w: [out, in] (the HF layout), b: [out] -> [T, out]."""
+    def linear(self, x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in], w: [out, in] (the HF layout) or what `pack_linear` made of it,
+        b: [out] -> [T, out]."""
         raise NotImplementedError
+
+    def pack_linear(self, w: torch.Tensor) -> Any:
+        """Repack a loaded `[out, in]` weight into whatever this backend's GEMM reads
+        fastest. Called once per weight after loading; the result is only ever handed
+        back to `linear`. The default keeps the tensor as it is."""
+        return w
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [..., N], w: [N] -> [..., N]; statistics in fp32, result in x.dtype."""
