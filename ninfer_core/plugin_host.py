@@ -152,10 +152,15 @@ def create_host(
     return host
 
 
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "?"
+
+
 def _load_entry_points(host: PluginHost, allowed: set[str] | None) -> None:
     eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    for ep in sorted(eps, key=lambda e: e.name):
-        dist = ep.dist.name if ep.dist is not None else "?"
+    # Built-ins first, then third-party plugins, each by entry-point name.
+    for ep in sorted(eps, key=lambda e: (_dist_name(e) != BUILTIN_DISTRIBUTION, e.name)):
+        dist = _dist_name(ep)
         version = ep.dist.version if ep.dist is not None else ""
         if allowed is not None and dist != BUILTIN_DISTRIBUTION and ep.name not in allowed:
             log.info("plugin %s (%s) skipped: not in NINFER_PLUGINS", ep.name, dist)
@@ -189,7 +194,7 @@ def _build_registries(host: PluginHost) -> None:
         host.registries[point] = registry
         hook = getattr(host.pm.hook, hook_name)
         # Called implementation by implementation so each object keeps its source.
-        for impl in reversed(hook.get_hookimpls()):
+        for impl in hook.get_hookimpls():  # registration order
             plugin_name = impl.plugin_name
             dist = _distribution_of(host, plugin_name)
             try:

@@ -1,7 +1,8 @@
 """Paged KV cache: the page layout and the stores that hold keys and values.
 
 A store owns, per layer, a pool of `num_blocks` pages of `block_size` token slots.
-Every codec's store (plain fp16/bf16/fp32 here; int8, rk8v4, fp8 later) has the same
+Every codec's store (`PlainKVStore` for fp16/bf16/fp32, `QuantizedKVStore` for int8,
+rk8v4 and fp8) has the same
 small interface, so the model and the kernels never care how K and V are encoded:
 
 - `write(layer, slots[T], k[T, Hkv, D], v[T, Hkv, D])`: encode and store new tokens at
@@ -9,9 +10,14 @@ small interface, so the model and the kernels never care how K and V are encoded
 - `gather(layer, block_table[..., nb], length=None) -> (k, v)`: decode whole pages back to
   `compute_dtype` as `[..., L, Hkv, D]`, `L = length or nb * block_size`;
 - `layout`, `dtype` (storage), `compute_dtype`, `nbytes`.
+
+A store may also offer `gather_heads(...) -> [..., Hkv, L, D]`, the layout attention
+consumes, when it can produce it without a transpose copy (the plain store keeps its
+pages head-major for this).
 """
 
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.kv.plain import PlainKVStore
+from ninfer_core.kv.quantized import QuantizedKVStore
 
-__all__ = ["KVLayout", "PlainKVStore"]
+__all__ = ["KVLayout", "PlainKVStore", "QuantizedKVStore"]

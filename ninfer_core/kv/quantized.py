@@ -1,0 +1,148 @@
+"""`QuantizedKVStore`: K and V as group-quantized codes plus fp16 scales, paged.
+
+Per layer, K and V each have a code pool `[num_blocks, block_size, Hkv, W]` (W bytes
+of codes per head vector) and a scale pool `[num_blocks, block_size, Hkv, D / G]`,
+both indexed by the same flat slot, so a page of codes and its scales move together
+and the block manager needs to know nothing about the encoding. `write` quantizes on
+store; `gather` dequantizes whole pages back to `compute_dtype`.
+
+With `rotate=True` (rk8v4) K and V are multiplied by the head-dim Hadamard matrix H
+before quantizing, and `gather` rotates them back (`x_rot · Hᵀ`), so the attention
+kernels see ordinary K and V and need no change. A fused kernel would instead keep K
+and V rotated, rotate q by H (scores are unchanged: `qH · kH = q · k`) and rotate the
+attention output by Hᵀ (`softmax(s) · VH · Hᵀ = softmax(s) · V`): one rotation per query
+and output row instead of one per cached token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer_core.device import DeviceInfo
+from ninfer_core.kv.hadamard import HeadRotation
+from ninfer_core.kv.layout import KVLayout
+from ninfer_core.kv.quant import GroupQuantizer, group_size
+from ninfer_core.support import Support
+
+
+def check_head_dim(head_dim: int, *quantizers: GroupQuantizer) -> None:
+    """Packed codes need whole bytes per group; raise with the reason otherwise."""
+    for q in quantizers:
+        if group_size(head_dim) % q.values_per_byte:
+            raise ValueError(
+                f"{q.name} KV codes pack {q.values_per_byte} values per byte; head dim "
+                f"{head_dim} does not split into groups of whole bytes"
+            )
+
+
+class QuantizedKVStore:
+    """Paged K/V codes and scales for all layers, one allocation per pool."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        k_quant: GroupQuantizer,
+        v_quant: GroupQuantizer,
+        *,
+        rotate: bool = False,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        d = layout.head_dim
+        check_head_dim(d, k_quant, v_quant)
+        self.layout = layout
+        self.quant = (k_quant, v_quant)
+        self.dtype = k_quant.code_dtype  # storage dtype of K codes, for reports
+        self.compute_dtype = compute_dtype
+        self.device = torch.device(device)
+        self.rotation = HeadRotation(d, device) if rotate else None
+        pages = layout.page_shape[:-1]  # [NB, BS, Hkv]
+        n_groups = d // group_size(d)
+        # codes[kv]: [L, NB, BS, Hkv, W]; scales[kv]: [L, NB, BS, Hkv, D/G] fp16.
+        self.codes = [
+            torch.zeros(
+                layout.num_layers, *pages, q.code_width(d), dtype=q.code_dtype, device=device
+            )
+            for q in self.quant
+        ]
+        self.scales = [
+            torch.zeros(layout.num_layers, *pages, n_groups, dtype=torch.float16, device=device)
+            for _ in self.quant
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.codes, *self.scales))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize and store new tokens. slots: [T] int64; k, v: [T, Hkv, D] any float."""
+        for kv, x in enumerate((k, v)):
+            if self.rotation is not None:
+                x = self.rotation.forward(x)
+            codes, scales = self.quant[kv].encode(x)  # [T, Hkv, W], [T, Hkv, D/G]
+            self.codes[kv][layer].flatten(0, 1).index_copy_(0, slots, codes)
+            self.scales[kv][layer].flatten(0, 1).index_copy_(0, slots, scales)
+
+    def gather(
+        self, layer: int, block_table: torch.Tensor, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize pages. block_table: [nb] or [B, nb] -> k, v: [(B,) L, Hkv, D].
+
+        The token axis is trimmed to `length` before dequantizing, so the padding of
+        the last page costs no arithmetic.
+        """
+        lead = block_table.dim() - 1
+        out = []
+        for kv in (0, 1):
+            codes = self.codes[kv][layer][block_table].flatten(lead, lead + 1)
+            scales = self.scales[kv][layer][block_table].flatten(lead, lead + 1)
+            if length is not None:
+                codes, scales = codes[..., :length, :, :], scales[..., :length, :, :]
+            x = self.quant[kv].decode(codes, scales)  # [..., L, Hkv, D] fp32
+            if self.rotation is not None:
+                x = self.rotation.inverse(x)
+            out.append(x.to(self.compute_dtype))
+        return out[0], out[1]
+
+
+class QuantizedKVCodec:
+    """A codec plugin object: which quantizer for K and for V, rotated or not."""
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        k_quant: GroupQuantizer,
+        v_quant: GroupQuantizer,
+        *,
+        rotate: bool = False,
+    ) -> None:
+        self.name, self.description = name, description
+        self.k_quant, self.v_quant, self.rotate = k_quant, v_quant, rotate
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return Support.yes("plain torch integer ops: any CPU or GPU")
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Codes and fp16 scales of K and V, every layer and KV head, for one token."""
+        per_head = self.k_quant.bytes_per_vector(head_dim) + self.v_quant.bytes_per_vector(head_dim)
+        return num_layers * num_kv_heads * per_head
+
+    def allocate(
+        self,
+        layout: KVLayout,
+        device: torch.device | str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> QuantizedKVStore:
+        """A zeroed store; `gather` returns `compute_dtype` (default fp32: pass the model's)."""
+        return QuantizedKVStore(
+            layout,
+            self.k_quant,
+            self.v_quant,
+            rotate=self.rotate,
+            device=device,
+            compute_dtype=compute_dtype or torch.float32,
+        )
+
+    def __repr__(self) -> str:
+        return f"QuantizedKVCodec({self.name})"
