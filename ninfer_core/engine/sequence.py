@@ -2,24 +2,54 @@
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Iterable
 
 _ids = itertools.count()
 
 
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
 class Sequence:
     """Prompt plus generated token ids, how many of them are in the KV cache, and the
     pages (block ids) that hold them, in order: token p lives in
-    `block_table[p // block_size]` at offset `p % block_size`."""
+    `block_table[p // block_size]` at offset `p % block_size`.
 
-    def __init__(self, token_ids: Iterable[int], seq_id: int | None = None) -> None:
+    The scheduler reads `max_tokens` (pages to reserve) and `deadline` (queue expiry); the
+    block manager keeps the prefix-cache hash chain of the full blocks in `block_hashes`.
+    """
+
+    def __init__(
+        self,
+        token_ids: Iterable[int],
+        seq_id: int | None = None,
+        *,
+        max_tokens: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         self.seq_id = next(_ids) if seq_id is None else seq_id
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         #: Tokens whose K/V are already written to the cache.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        #: New tokens this sequence may generate (what admission reserves pages for).
+        self.max_tokens = max_tokens
+        #: Engine-clock time after which it may no longer wait in the queue.
+        self.deadline = deadline
+        self.enqueued_at = 0.0
+        self.status = SequenceStatus.WAITING
+        #: Prompt tokens whose KV came from the prefix cache at admission.
+        self.num_cached_tokens = 0
+        #: Chain hashes of the full blocks already in the prefix cache (or matched from it).
+        self.block_hashes: list[bytes] = []
+        #: Chain hashes of the prompt's full blocks, computed once at the first admission try.
+        self.prompt_hashes: list[bytes] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -28,6 +58,16 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens not yet run through the model (the rest of the prompt, or the last sample)."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Some prompt tokens still lack K/V (so its logits are not sampled yet)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_length(self) -> int:
+        """Prompt plus every token it may generate: the pages it can ever need."""
+        return self.num_prompt_tokens + self.max_tokens
 
     @property
     def last_token(self) -> int:

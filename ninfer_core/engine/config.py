@@ -1,0 +1,45 @@
+"""`EngineConfig`: how many requests run and wait, how a step is filled, how big the KV pool is.
+
+Each field carries its CLI help (`opt`), so `ninfer-serve` generates its options from this class.
+`block_size` and `max_context` repeat `RuntimeConfig`'s fields of the same name: the engine
+owns the KV pool, so a command that builds an engine takes them from here and skips them there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ninfer_core.config import opt
+
+
+@dataclass
+class EngineConfig:
+    """Continuous batching, the bounded queue, the paged KV pool and the prefix cache."""
+
+    max_concurrency: int = opt(2, "sequences that run (prefill or decode) at the same time")
+    max_pending_requests: int = opt(16, "requests that may wait for a free slot; more: 429")
+    pending_timeout_ms: int = opt(
+        0, "longest wait in the queue; 0: derived from the work queued ahead (docs/engine.md)"
+    )
+    prefill_chunk: int = opt(1024, "token budget of one step: decode tokens first, then prefill")
+    max_context: int = opt(4096, "longest sequence (prompt + output) in tokens")
+    kv_capacity: int = opt(0, "KV pool size in tokens, shared by all sequences; 0: max-context")
+    block_size: int = opt(16, "tokens per KV cache block (page)")
+    prefix_cache: bool = opt(True, "reuse the KV of full blocks shared with earlier requests")
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "prefill_chunk", "max_context", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_pending_requests", "pending_timeout_ms", "kv_capacity"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def pool_tokens(self) -> int:
+        """The KV pool's token capacity (`kv_capacity`, or one full context when 0)."""
+        return self.kv_capacity or self.max_context
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.pool_tokens // self.block_size)

@@ -1,0 +1,380 @@
+"""`Engine`: the model runner, the KV pool, the scheduler and the sampler, stepped in a loop.
+
+A step is three verbs: `schedule` (policy: who runs how many tokens), `run` (one forward over
+the ragged batch), `postprocess` (sample, detokenize, check stops, finish). `step()` does one,
+so tests and the bench drive the engine deterministically, with a fake clock if they like;
+`start()` runs the same steps on a thread of their own, and `submit` bridges each request's
+events into asyncio.
+
+One lock guards the scheduler and the request table; it is held while deciding and while
+postprocessing, never during the forward, so a `submit` or `cancel` waits at most for the
+bookkeeping of a step, not for its compute. Events go out after the lock is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ninfer_core.device import DeviceInfo
+from ninfer_core.engine.block_manager import BlockManager
+from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.model_runner import ModelRunner
+from ninfer_core.engine.request import (
+    EngineClosedError,
+    EngineError,
+    EngineStepError,
+    EventStream,
+    FinishEvent,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    OverloadedError,
+    QueueTimeoutError,
+    RequestResult,
+    RequestState,
+    RequestTooLargeError,
+)
+from ninfer_core.engine.scheduler import Scheduler
+from ninfer_core.engine.sequence import Sequence, SequenceStatus
+from ninfer_core.generation import AUTO_KV
+from ninfer_core.kv.layout import KVLayout
+from ninfer_core.loading import LoadedModel
+from ninfer_core.plugin_host import PluginHost
+from ninfer_core.sampling import Sampler
+from ninfer_core.selection import choose
+from ninfer_core.text import GenerationDefaults, Tokenizer, stop_token_ids
+
+log = logging.getLogger(__name__)
+Sink = Callable[[GenerationEvent], None]
+
+
+@dataclass
+class StepOutcome:
+    """What one step did, for tests and the bench."""
+
+    #: Requests that ran a prefill chunk this step, and how many tokens.
+    prefill: dict[str, int] = field(default_factory=dict)
+    #: Requests that ran one decode token.
+    decode: list[str] = field(default_factory=list)
+    #: Requests whose prompt is still not fully computed after the step.
+    still_prefilling: list[str] = field(default_factory=list)
+    events: list[GenerationEvent] = field(default_factory=list)
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        *,
+        host: PluginHost,
+        device: DeviceInfo,
+        kv_dtype: str = "auto",
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config, self.clock = config, clock
+        model_cfg, artifact = loaded.config, loaded.artifact
+        self.tokenizer = Tokenizer.from_artifact(artifact)
+        defaults = GenerationDefaults.from_artifact(artifact)
+        self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
+        self.max_context = min(config.max_context, model_cfg.max_position_embeddings)
+        self.kv_codec = choose(
+            host, "kv_codecs", device, AUTO_KV[loaded.dtype] if kv_dtype == "auto" else kv_dtype
+        ).chosen
+        layout = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                          config.block_size, config.num_blocks)  # fmt: skip
+        codec = host.kv_codecs.get(self.kv_codec)
+        store = codec.allocate(layout, device.torch_device, compute_dtype=loaded.dtype)
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size,
+            enable_prefix_cache=config.prefix_cache, salt=f"kv-codec={self.kv_codec}",
+        )  # fmt: skip
+        self.runner = ModelRunner(loaded.model, store, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(seed)
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._live: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
+        self._cancelled: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    # -- requests in -------------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest, sink: Sink | None = None) -> Sink:
+        """Queue `request`; its events go to `sink` (a new `RequestResult` if None), which is
+        returned. Raises at once when the request can never fit or the queue is full."""
+        sink = sink if sink is not None else RequestResult(request.request_id)
+        n = len(request.prompt_ids)
+        max_tokens = request.max_tokens or max(0, self.max_context - n)
+        if not max_tokens or n + max_tokens > self.max_context:
+            raise RequestTooLargeError(
+                f"the prompt has {n} tokens and max_tokens is {max_tokens}: "
+                f"{n + max_tokens} tokens; the context holds {self.max_context}"
+            )
+        if self.block_manager.blocks_for(n + max_tokens) > self.block_manager.num_blocks:
+            raise RequestTooLargeError(
+                f"prompt plus max_tokens is {n + max_tokens} tokens; the KV pool holds "
+                f"{self.block_manager.num_blocks * self.config.block_size}"
+            )
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= set(self.model_stop_ids)
+        seq = Sequence(request.prompt_ids, max_tokens=max_tokens)
+        state = RequestState(request, seq, sink, self.tokenizer, stop_ids)
+        with self._lock:
+            if self._closing:
+                raise EngineClosedError("the engine is shutting down")
+            if request.request_id in self._live:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            waiting = self.scheduler.queue_length_with_one_more()
+            if waiting > self.config.max_pending_requests:
+                retry = max(1, math.ceil(self.scheduler.estimate_retry_after()))
+                raise OverloadedError(
+                    f"{waiting - 1} requests are queued (the limit is "
+                    f"{self.config.max_pending_requests}); retry in about {retry} s",
+                    retry_after=retry,
+                )
+            self.scheduler.add(seq, self.clock(), request.deadline, request.pending_timeout_s)
+            self._live[request.request_id] = self._by_seq[seq.seq_id] = state
+            self._wake.notify()
+        return sink
+
+    def submit(self, request: GenerationRequest) -> EventStream:
+        """Queue `request` and stream its events into the running event loop (starting the
+        step thread if needed). Raises at once like `add`; a later queue timeout or failed
+        step is raised by the stream."""
+        stream = EventStream(request.request_id, self, asyncio.get_running_loop())
+        self.start()
+        self.add(request, stream)
+        return stream
+
+    def cancel(self, request_id: str) -> bool:
+        """End a request (the client went away); its pages return within one step. False if
+        it is not (or no longer) live."""
+        events: list[tuple[Sink, GenerationEvent]] = []
+        with self._lock:
+            live = self._live.get(request_id)
+            if live is None:
+                return False
+            if live.seq.status is SequenceStatus.WAITING:
+                self._end(live, "cancelled", events)
+            else:  # it may be in a forward right now: end it at the step boundary
+                self._cancelled.add(request_id)
+                self._wake.notify()
+        self._emit(events)
+        return True
+
+    def estimated_wait_s(self) -> float:
+        """Seconds a request submitted now would likely wait before it starts."""
+        with self._lock:
+            return self.scheduler.estimate_wait()
+
+    # -- the step ------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._cancelled)
+
+    def step(self) -> StepOutcome:
+        """schedule -> run -> postprocess, once."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("the engine's own thread is stepping it")
+        events: list[tuple[Sink, GenerationEvent]] = []
+        outcome = StepOutcome()
+        with self._lock:
+            self._apply_cancels(events)
+            now = self.clock()
+            plan = self.scheduler.schedule(now)
+            for seq in plan.expired:
+                waited = now - seq.enqueued_at
+                error = QueueTimeoutError(
+                    f"the request waited {waited:.1f} s in the queue and did not start", waited
+                )
+                self._end(self._by_seq[seq.seq_id], "error", events, error=error)
+            for seq, n in plan.batch:
+                rid = self._by_seq[seq.seq_id].request_id
+                if seq.is_prefilling:
+                    outcome.prefill[rid] = n
+                else:
+                    outcome.decode.append(rid)
+        if plan.batch:
+            self.counters.steps += 1
+            self.counters.prefill_tokens += plan.num_prefill_tokens
+            self.counters.decode_tokens += plan.num_decode_tokens
+            start = self.clock()
+            try:
+                logits = self.runner.run(plan.batch)
+            except Exception as exc:
+                log.exception("engine step failed")
+                with self._lock:
+                    for seq, _ in plan.batch:
+                        if seq.status is SequenceStatus.RUNNING:
+                            error = EngineStepError(f"the step failed: {type(exc).__name__}: {exc}")
+                            self._end(self._by_seq[seq.seq_id], "error", events, error=error)
+            else:
+                with self._lock:
+                    elapsed = self.clock() - start
+                    self.scheduler.costs.observe(
+                        plan.num_prefill_tokens, plan.num_decode_tokens, elapsed
+                    )
+                    self._apply_cancels(events)  # those that came during the forward
+                    self._postprocess(plan.batch, logits, events)
+                    outcome.still_prefilling = [
+                        self._by_seq[s.seq_id].request_id
+                        for s, _ in plan.batch
+                        if s.status is SequenceStatus.RUNNING and s.is_prefilling
+                    ]
+        outcome.events = [event for _, event in events]
+        self._emit(events)
+        return outcome
+
+    def _postprocess(
+        self, batch: list[tuple[Sequence, int]], logits: torch.Tensor, events: list
+    ) -> None:
+        rows: list[int] = []
+        lives: list[RequestState] = []
+        for i, (seq, _) in enumerate(batch):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # cancelled while it ran
+            self.block_manager.commit(seq)
+            if seq.num_pending_tokens == 0:  # prompt done or a decode: sample its next token
+                rows.append(i)
+                lives.append(self._by_seq[seq.seq_id])
+        if not rows:
+            return
+        params = [live.request.params for live in lives]
+        tokens = self.sampler.sample(logits[rows], params, [live.history for live in lives])
+        for live, token in zip(lives, tokens.tolist(), strict=True):
+            self._accept(live, token, events)
+
+    def _accept(self, state: RequestState, token: int, events: list) -> None:
+        event, stop, at_limit = state.accept(token)
+        events.append((state.sink, event))
+        if stop.finished:
+            self._end(state, "stop", events, matched=stop.matched)
+        elif at_limit:
+            self._end(state, "length", events)
+
+    def _end(
+        self,
+        live: RequestState,
+        reason: FinishReason,
+        events: list,
+        *,
+        error: EngineError | None = None,
+        matched: str | int | None = None,
+    ) -> None:
+        seq, rid = live.seq, live.request_id
+        if seq.status is SequenceStatus.RUNNING:
+            self.scheduler.finish(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.scheduler.remove_waiting(seq)
+        del self._live[rid], self._by_seq[seq.seq_id]
+        self._cancelled.discard(rid)
+        self.counters.cached_tokens += seq.num_cached_tokens
+        events.append((live.sink, FinishEvent(rid, reason, live.usage(), error, matched)))
+
+    def _apply_cancels(self, events: list) -> None:
+        for rid in list(self._cancelled):
+            live = self._live.get(rid)
+            if live is not None:
+                self._end(live, "cancelled", events)
+        self._cancelled.clear()
+
+    @staticmethod
+    def _emit(events: Iterable[tuple[Sink, GenerationEvent]]) -> None:
+        for sink, event in events:
+            try:
+                sink(event)
+            except Exception:  # one broken consumer must not stop the others' streams
+                log.exception("event sink for %s failed", event.request_id)
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the step loop on its own thread (idempotent)."""
+        with self._lock:
+            if self._closing:
+                raise EngineClosedError("the engine is shutting down")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="ninfer-engine", daemon=True
+                )
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closing and not self.has_work:
+                    self._wake.wait()
+                if self._closing:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug in the bookkeeping: fail what is live, go on
+                log.exception("engine step failed")
+                self._fail_all(EngineStepError(f"the step failed: {type(exc).__name__}: {exc}"))
+
+    def _fail_all(self, error: EngineError) -> None:
+        events: list = []
+        with self._lock:
+            for live in list(self._live.values()):
+                self._end(live, "error", events, error=type(error)(str(error)))
+        self._emit(events)
+
+    def close(self) -> None:
+        """Stop the thread after its current step; every live request ends with an error."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._fail_all(EngineClosedError("the engine shut down"))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- for tests and the bench -----------------------------------------------------------
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[RequestResult]:
+        """Run `requests` to the end by stepping in this thread; results in request order.
+        Requests are added as the queue has room, so any number may be given."""
+        results: list[RequestResult] = []
+        for request in requests:
+            while True:
+                try:
+                    results.append(self.add(request))
+                    break
+                except OverloadedError:
+                    self.step()
+        while self.has_work:
+            self.step()
+        return results
+
+    def check_invariants(self) -> None:
+        """The block manager's checks, with every live sequence as the holders."""
+        with self._lock:
+            self.block_manager.check_invariants(list(self.scheduler))

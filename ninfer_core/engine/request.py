@@ -1,0 +1,243 @@
+"""What a frontend hands the engine, what it gets back, and the errors it must map.
+
+A `GenerationRequest` is token ids plus everything that decides when generation stops; the
+engine answers with a stream of `TokenEvent`s and exactly one `FinishEvent`. Refusals are typed
+`EngineError`s with a short machine `code`, so the server maps them to HTTP statuses without
+parsing messages: `overloaded` -> 429 (with Retry-After), `queue_timeout` and `engine_closed`
+-> 503, `request_too_large` -> 400, `internal_error` -> 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ninfer_core.engine.sequence import Sequence as Seq
+from ninfer_core.errors import NInferError
+from ninfer_core.sampling import SamplingParams, SequenceTokens
+from ninfer_core.text import IncrementalDetokenizer, StopChecker, StopUpdate, Tokenizer
+
+if TYPE_CHECKING:
+    from ninfer_core.engine.engine import Engine
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    #: New tokens at most; None: whatever the context has left after the prompt.
+    max_tokens: int | None = None
+    stop: Sequence[str] = ()
+    #: Stop token ids on top of the model's own (generation_config / eos).
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    #: Engine-clock time by which the request must have left the queue (None: see below).
+    deadline: float | None = None
+    #: Longest wait in the queue, when no `deadline`; None: the engine's rule (docs/engine.md).
+    pending_timeout_s: float | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.pending_timeout_s is not None and self.pending_timeout_s < 0:
+            raise ValueError(f"pending_timeout_s must be >= 0, got {self.pending_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    #: Prompt tokens whose KV came from the prefix cache instead of a prefill.
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens accepted this step and the text they complete (often "" mid-character or while a
+    possible stop string is held back)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    request_id: str
+    reason: FinishReason
+    usage: Usage
+    #: Set when `reason == "error"`: what went wrong, as the typed error to map.
+    error: EngineError | None = None
+    #: The stop string or stop token id that ended a "stop" finish.
+    matched: str | int | None = None
+
+
+GenerationEvent = TokenEvent | FinishEvent
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+class EngineError(NInferError):
+    """Base of the engine's refusals; `code` names the case for the server."""
+
+    code = "engine_error"
+
+
+class OverloadedError(EngineError):
+    """The queue is full; `retry_after` estimates the seconds until a place frees up."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTimeoutError(EngineError):
+    """The request was still queued at its deadline; it never ran."""
+
+    code = "queue_timeout"
+
+    def __init__(self, message: str, waited_s: float) -> None:
+        super().__init__(message)
+        self.waited_s = waited_s
+
+
+class RequestTooLargeError(EngineError):
+    """Prompt plus max_tokens can never fit: over `max_context`, or over the whole KV pool."""
+
+    code = "request_too_large"
+
+
+class EngineClosedError(EngineError):
+    """The engine is shutting down (or has) and takes no more work."""
+
+    code = "engine_closed"
+
+
+class EngineStepError(EngineError):
+    """A step failed (a bug or a device error); the requests in it end, the engine goes on."""
+
+    code = "internal_error"
+
+
+# -- inside the engine ---------------------------------------------------------------------
+
+
+class RequestState:
+    """An admitted request: its sequence, where its events go, and the state that turns its
+    sampled tokens into text (sampler history, streaming detokenizer, stop checker)."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        seq: Seq,
+        sink: Callable[[GenerationEvent], None],
+        tokenizer: Tokenizer,
+        stop_ids: Iterable[int],
+    ) -> None:
+        self.request, self.seq, self.sink = request, seq, sink
+        self.history = SequenceTokens(request.prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, context_ids=request.prompt_ids[-8:])
+        self.stops = StopChecker(stop_token_ids=stop_ids, stop_strings=list(request.stop))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def accept(self, token: int) -> tuple[TokenEvent, StopUpdate, bool]:
+        """Take a sampled token: (its event, the stop verdict, whether the limit is reached).
+        At the limit the text held back (a partial character, a possible stop string) goes
+        out with this last token."""
+        self.seq.append_token(token)
+        self.history.append(token)
+        update = self.stops.feed(self.detok.feed(token), token)
+        text = update.text
+        at_limit = len(self.seq.completion_ids) >= self.seq.max_tokens
+        if at_limit and not update.finished:
+            update = self.stops.feed(self.detok.finish())
+            text += update.text + self.stops.flush()
+        return TokenEvent(self.request_id, text, (token,)), update, at_limit
+
+    def usage(self) -> Usage:
+        seq = self.seq
+        return Usage(seq.num_prompt_tokens, len(seq.completion_ids), seq.num_cached_tokens)
+
+
+# -- consumers -----------------------------------------------------------------------------
+
+
+class RequestResult:
+    """A sink that records one request's events: what tests, the bench and `generate` read."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.events: list[GenerationEvent] = []
+
+    def __call__(self, event: GenerationEvent) -> None:
+        self.events.append(event)
+
+    @property
+    def finish(self) -> FinishEvent | None:
+        last = self.events[-1] if self.events else None
+        return last if isinstance(last, FinishEvent) else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TokenEvent))
+
+
+class EventStream:
+    """One request's events as an async iterator, fed from the engine's thread.
+
+    The step thread calls the stream (`push`) and the event crosses into the event loop with
+    `call_soon_threadsafe`, the one asyncio call that is safe from another thread. Iteration
+    ends after the `FinishEvent`; a finish with an error raises that error instead (a queue
+    timeout before any token, or a failed step), so a server can still choose the status.
+    `aclose()` before the end cancels the request (the client went away).
+    """
+
+    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self._done = False
+
+    def __call__(self, event: GenerationEvent) -> None:
+        # RuntimeError: the loop is closed, nobody is listening any more
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if isinstance(event, FinishEvent):
+            self._done = True
+            if event.error is not None:
+                raise event.error
+        return event
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.cancel(self.request_id)
