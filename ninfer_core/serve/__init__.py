@@ -1,0 +1,1 @@
+"""Serving: the app factory, auth, limits, and what every API frontend shares."""

@@ -1,0 +1,126 @@
+"""`ServeState`: what every frontend needs from the running model, and nothing protocol-shaped.
+
+Frontends turn a protocol request into chat messages + options, call `render` for the
+prompt ids and `generate` for the event stream, and turn events back into their own
+wire format. Tensors never reach this layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.request import EngineError, GenerationEvent, GenerationRequest
+from ninfer_core.sampling import SamplingParams
+from ninfer_core.serve.errors import ApiError, from_engine_error, invalid
+from ninfer_core.text import ChatTemplate, ChatTemplateError, GenerationDefaults, Tokenizer
+
+
+@dataclass
+class ServeOptions:
+    """Per-server settings the frontends apply to every request."""
+
+    model_id: str
+    default_max_tokens: int = 1024
+    #: Sampling values used when a request gives none (None: the model's own defaults).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass
+class ServeState:
+    engine: Engine
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    defaults: GenerationDefaults
+    options: ServeOptions
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Prompt ids for a conversation, through the model's chat template."""
+        if self.template is None:
+            raise invalid("this model has no chat template; use the completions endpoint")
+        try:
+            text = self.template.render(
+                messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
+            )
+        except ChatTemplateError as exc:
+            raise invalid(f"the chat template rejected the conversation: {exc}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling(self, **given: Any) -> SamplingParams:
+        """The request's values over the server's defaults over the model's; 400 if invalid."""
+        values: dict[str, Any] = {}
+        d = self.defaults
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(d, name) is not None:
+                values[name] = getattr(d, name)
+        if d.do_sample is False:
+            values["temperature"] = 0.0
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(self.options, name) is not None:
+                values[name] = getattr(self.options, name)
+        values.update({k: v for k, v in given.items() if v is not None})
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise invalid(str(exc), param=param) from None
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """New-token budget: the request's, else the server default, within the context."""
+        room = self.max_context - prompt_len
+        if room <= 0:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"the prompt has {prompt_len} tokens; this model's context is "
+                f"{self.max_context} tokens",
+                param="messages",
+            )
+        if requested is None:
+            return min(self.options.default_max_tokens, room)
+        if requested < 1:
+            raise invalid(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+        if requested > room:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's context of {self.max_context} tokens",
+                param="max_tokens",
+            )
+        return requested
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """The request's events; engine refusals surface as `ApiError`s.
+
+        Leaving the loop early (the client disconnected, the stream was closed)
+        cancels the request in the engine, so its pages free within one step.
+        """
+        try:
+            stream = self.engine.submit(request)
+        except EngineError as exc:
+            raise from_engine_error(exc) from None
+        try:
+            async for event in stream:
+                yield event
+        except EngineError as exc:
+            raise from_engine_error(exc) from None
+        finally:
+            await stream.aclose()
