@@ -14,14 +14,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.engine.sequence import Sequence as Seq
 from ninfer_core.errors import NInferError
+from ninfer_core.kv import AUTO_KV_CODEC
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
@@ -35,9 +34,6 @@ from ninfer_core.text import (
     Tokenizer,
     stop_token_ids,
 )
-
-#: KV codec for `--kv-dtype auto`: keep the model's own precision.
-AUTO_KV = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -91,7 +87,7 @@ class Session:
             self.defaults, artifact.config, self.tokenizer.eos_token_id
         )
         cfg = loaded.config
-        kv_name = runtime.kv_dtype if runtime.kv_dtype != "auto" else AUTO_KV[loaded.dtype]
+        kv_name = runtime.kv_dtype if runtime.kv_dtype != "auto" else AUTO_KV_CODEC[loaded.dtype]
         self.kv_codec = choose(host, "kv_codecs", device, kv_name).chosen
         self.max_context = min(runtime.max_context, cfg.max_position_embeddings)
         num_blocks = math.ceil(self.max_context / runtime.block_size)

@@ -1,8 +1,32 @@
-"""The engine: sequences, KV page allocation, per-step attention metadata, the model runner."""
+"""The engine: sequences, KV blocks and the prefix cache, the scheduler, the step loop.
 
-from ninfer_core.engine.attention_meta import AttentionMetadata
-from ninfer_core.engine.block_manager import BlockManager, OutOfBlocksError
-from ninfer_core.engine.model_runner import ModelRunner
-from ninfer_core.engine.sequence import Sequence
+Importing this package costs little: the engine and its dependencies load on first
+use of the names below.
+"""
 
-__all__ = ["AttentionMetadata", "BlockManager", "ModelRunner", "OutOfBlocksError", "Sequence"]
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "ninfer_core.engine.engine",
+    "EngineConfig": "ninfer_core.engine.config",
+    "GenerationRequest": "ninfer_core.engine.request",
+    "TokenEvent": "ninfer_core.engine.request",
+    "FinishEvent": "ninfer_core.engine.request",
+    "Usage": "ninfer_core.engine.request",
+    "EngineError": "ninfer_core.engine.request",
+    "OverloadedError": "ninfer_core.engine.request",
+    "QueueTimeoutError": "ninfer_core.engine.request",
+    "RequestTooLargeError": "ninfer_core.engine.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ninfer_core.engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -19,13 +19,13 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.engine_thread import StepThread
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.engine.request import (
     EngineClosedError,
@@ -44,7 +44,8 @@ from ninfer_core.engine.request import (
 )
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
-from ninfer_core.generation import AUTO_KV
+from ninfer_core.engine.stats import EngineCounters, StepOutcome
+from ninfer_core.kv import AUTO_KV_CODEC
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
@@ -56,28 +57,7 @@ log = logging.getLogger(__name__)
 Sink = Callable[[GenerationEvent], None]
 
 
-@dataclass
-class StepOutcome:
-    """What one step did, for tests and the bench."""
-
-    #: Requests that ran a prefill chunk this step, and how many tokens.
-    prefill: dict[str, int] = field(default_factory=dict)
-    #: Requests that ran one decode token.
-    decode: list[str] = field(default_factory=list)
-    #: Requests whose prompt is still not fully computed after the step.
-    still_prefilling: list[str] = field(default_factory=list)
-    events: list[GenerationEvent] = field(default_factory=list)
-
-
-@dataclass
-class EngineCounters:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    cached_tokens: int = 0
-
-
-class Engine:
+class Engine(StepThread):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -96,7 +76,10 @@ class Engine:
         self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
         self.max_context = min(config.max_context, model_cfg.max_position_embeddings)
         self.kv_codec = choose(
-            host, "kv_codecs", device, AUTO_KV[loaded.dtype] if kv_dtype == "auto" else kv_dtype
+            host,
+            "kv_codecs",
+            device,
+            AUTO_KV_CODEC[loaded.dtype] if kv_dtype == "auto" else kv_dtype,
         ).chosen
         layout = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                           config.block_size, config.num_blocks)  # fmt: skip
@@ -308,54 +291,6 @@ class Engine:
                 sink(event)
             except Exception:  # one broken consumer must not stop the others' streams
                 log.exception("event sink for %s failed", event.request_id)
-
-    # -- the thread ----------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Run the step loop on its own thread (idempotent)."""
-        with self._lock:
-            if self._closing:
-                raise EngineClosedError("the engine is shutting down")
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="ninfer-engine", daemon=True
-                )
-                self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._closing and not self.has_work:
-                    self._wake.wait()
-                if self._closing:
-                    return
-            try:
-                self.step()
-            except Exception as exc:  # a bug in the bookkeeping: fail what is live, go on
-                log.exception("engine step failed")
-                self._fail_all(EngineStepError(f"the step failed: {type(exc).__name__}: {exc}"))
-
-    def _fail_all(self, error: EngineError) -> None:
-        events: list = []
-        with self._lock:
-            for live in list(self._live.values()):
-                self._end(live, "error", events, error=type(error)(str(error)))
-        self._emit(events)
-
-    def close(self) -> None:
-        """Stop the thread after its current step; every live request ends with an error."""
-        with self._wake:
-            self._closing = True
-            self._wake.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        self._fail_all(EngineClosedError("the engine shut down"))
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- for tests and the bench -----------------------------------------------------------
 

@@ -16,8 +16,13 @@ consumes, when it can produce it without a transpose copy (the plain store keeps
 pages head-major for this).
 """
 
+import torch
+
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.kv.plain import PlainKVStore
 from ninfer_core.kv.quantized import QuantizedKVStore
 
-__all__ = ["KVLayout", "PlainKVStore", "QuantizedKVStore"]
+#: KV codec for `--kv-dtype auto` once the model is loaded: keep its own precision.
+AUTO_KV_CODEC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+__all__ = ["AUTO_KV_CODEC", "KVLayout", "PlainKVStore", "QuantizedKVStore"]
