@@ -9,6 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
+    "AttentionMetadata": "ninfer_core.engine.attention_meta",
+    "BlockManager": "ninfer_core.engine.block_manager",
+    "OutOfBlocksError": "ninfer_core.engine.block_manager",
+    "ModelRunner": "ninfer_core.engine.model_runner",
+    "Sequence": "ninfer_core.engine.sequence",
     "Engine": "ninfer_core.engine.engine",
     "EngineConfig": "ninfer_core.engine.config",
     "GenerationRequest": "ninfer_core.engine.request",
