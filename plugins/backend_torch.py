@@ -1,8 +1,9 @@
 """The `torch` kernel backend: the reference every other backend is checked against.
 
-Plain PyTorch ops; runs wherever torch runs. Attention gathers the cached pages of
-the batch and calls `F.scaled_dot_product_attention` (grouped-query heads through
-`enable_gqa`), with one mask built per step in `prepare`, not per layer.
+Plain PyTorch ops; runs wherever torch runs. Attention gathers each sequence's cached
+pages and calls `F.scaled_dot_product_attention` (grouped-query heads through
+`enable_gqa`) for prefill, two small matmuls for a decode row; masks are built once
+per step in `prepare`, not per layer.
 """
 
 from __future__ import annotations
@@ -55,55 +56,48 @@ class TorchOps(KernelOps):
         return rotate(q), rotate(k)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Build the step's attention mask (and padding index for batches) once."""
-        b, qmax, s = meta.batch_size, meta.max_query_len, meta.max_context_len
-        if b == 1 and qmax in (1, s):
-            return  # decode or a whole prompt: SDPA needs no mask (see paged_attention)
+        """Per-sequence query offsets and, for prefill chunks after a cached prefix, the
+        causal mask offset by that prefix; built once per step, not per layer."""
+        starts, masks, offset = [], [], 0
         dev = meta.slot_mapping.device
-        qlen = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [B]
-        # Query i of sequence b sits at position ctx_b - qlen_b + i and sees keys <= it.
-        q_pos = (meta.context_lens_tensor - qlen)[:, None] + torch.arange(qmax, device=dev)
-        keys = torch.arange(s, device=dev)
-        meta.plan["mask"] = keys[None, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, Qmax, S]
-        if b > 1:
-            # Row of each flattened token in the padded [B * Qmax] query batch.
-            rows = [i * qmax + j for i, n in enumerate(meta.query_lens) for j in range(n)]
-            meta.plan["pad_index"] = torch.tensor(rows, dtype=torch.int64).to(dev)
+        for qlen, ctx in zip(meta.query_lens, meta.context_lens, strict=True):
+            starts.append(offset)
+            offset += qlen
+            if qlen == 1 or qlen == ctx:
+                masks.append(None)  # decode, or a whole prompt (plain causal)
+            else:
+                # Query i sits at position ctx - qlen + i and sees keys up to it.
+                q_pos = torch.arange(ctx - qlen, ctx, device=dev)
+                masks.append(torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])
+        meta.plan["starts"], meta.plan["masks"] = starts, masks
 
     def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
+        """Each sequence attends over its own pages only: a ragged batch is never padded
+        to its longest member (a decode row reads its L keys, not the batch maximum)."""
         # q: [T, H, D], k_new/v_new: [T, Hkv, D]
         kv_store.write(layer, meta.slot_mapping, k_new, v_new)
-        t, h, d = q.shape
-        if meta.batch_size == 1:
-            length = meta.context_lens[0]
-            k, v = gather_heads(kv_store, layer, meta.block_tables[0], length, q.dtype)
-            if t == 1:  # decode: the one new token sees everything cached
-                return _decode_one(q, k, v, scale)
-            if t == length:  # whole-prompt prefill: plain causal
-                mask, causal = None, True
-            else:  # a later prefill chunk: causal, offset by the cached prefix
-                mask, causal = meta.plan["mask"], False
+        plan, bs = meta.plan, meta.block_size
+        outs = []
+        for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+            start = plan["starts"][i]
+            qi = q[start : start + qlen]  # [Q, H, D]
+            table = meta.block_tables[i, : -(-ctx // bs)]
+            k, v = gather_heads(kv_store, layer, table, ctx, q.dtype)  # [Hkv, L, D]
+            if qlen == 1:
+                outs.append(_decode_one(qi, k, v, scale))
+                continue
+            mask = plan["masks"][i]
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
+                qi.transpose(0, 1)[None],
                 k[None],
                 v[None],
                 attn_mask=mask,
-                is_causal=causal,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=True,
-            )  # [1, H, T, D]
-            return out[0].transpose(0, 1)
-        # Batch: pad queries to [B, Qmax], gather every sequence's pages, mask per row.
-        b, qmax, s = meta.batch_size, meta.max_query_len, meta.max_context_len
-        nb = -(-s // meta.block_size)
-        k, v = gather_heads(kv_store, layer, meta.block_tables[:, :nb], s, q.dtype)
-        pad_index = meta.plan["pad_index"]
-        qp = q.new_zeros(b * qmax, h, d).index_copy_(0, pad_index, q)
-        qp = qp.view(b, qmax, h, d).transpose(1, 2)  # [B, H, Qmax, D]
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=meta.plan["mask"], scale=scale, enable_gqa=True
-        )  # [B, H, Qmax, D]
-        return out.transpose(1, 2).reshape(b * qmax, h, d)[pad_index]
+            )  # [1, H, Q, D]
+            outs.append(out[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: torch.dtype):
