@@ -316,3 +316,13 @@ def test_async_submit_stream_cancel_and_errors(make_engine):
         engine.check_invariants()
     finally:
         engine.close()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(make_engine):
+    from ninfer_core.engine.request import InvalidRequestError
+
+    engine = make_engine()
+    vocab = engine.vocab_size
+    for bad in (-1, vocab):
+        with pytest.raises(InvalidRequestError, match=str(bad)):
+            engine.add(GenerationRequest([1, 2, bad], max_tokens=2))

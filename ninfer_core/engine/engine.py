@@ -36,6 +36,7 @@ from ninfer_core.engine.request import (
     FinishReason,
     GenerationEvent,
     GenerationRequest,
+    InvalidRequestError,
     OverloadedError,
     QueueTimeoutError,
     RequestResult,
@@ -75,6 +76,7 @@ class Engine(StepThread):
         defaults = GenerationDefaults.from_artifact(artifact)
         self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
         self.max_context = min(config.max_context, model_cfg.max_position_embeddings)
+        self.vocab_size = model_cfg.vocab_size
         self.kv_codec = choose(
             host,
             "kv_codecs",
@@ -108,6 +110,12 @@ class Engine(StepThread):
         returned. Raises at once when the request can never fit or the queue is full."""
         sink = sink if sink is not None else RequestResult(request.request_id)
         n = len(request.prompt_ids)
+        vocab = self.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            bad = next(t for t in request.prompt_ids if not 0 <= t < vocab)
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+            )
         max_tokens = request.max_tokens or max(0, self.max_context - n)
         if not max_tokens or n + max_tokens > self.max_context:
             raise RequestTooLargeError(

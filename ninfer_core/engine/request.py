@@ -120,6 +120,12 @@ class RequestTooLargeError(EngineError):
     code = "request_too_large"
 
 
+class InvalidRequestError(EngineError):
+    """The request itself is wrong (e.g. a token id outside the vocabulary)."""
+
+    code = "invalid_request"
+
+
 class EngineClosedError(EngineError):
     """The engine is shutting down (or has) and takes no more work."""
 

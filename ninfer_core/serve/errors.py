@@ -41,6 +41,8 @@ def from_engine_error(exc: EngineError) -> ApiError:
         return ApiError(503, "queue_timeout", str(exc), headers=headers or {"Retry-After": "5"})
     if code == "engine_closed":
         return ApiError(503, "unavailable", str(exc), headers={"Retry-After": "5"})
+    if code == "invalid_request":
+        return ApiError(400, "invalid_request", str(exc))
     if code == "request_too_large":
         return ApiError(400, "context_length_exceeded", str(exc), param="max_tokens")
     return ApiError(500, "internal", str(exc))
