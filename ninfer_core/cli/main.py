@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": "ninfer_core.cli.generate_cmd",
     "probe": "ninfer_core.cli.probe_cmd",
     "plugins": "ninfer_core.cli.plugins_cmd",
+    "plan": "ninfer_core.cli.plan_cmd",
 }
 
 

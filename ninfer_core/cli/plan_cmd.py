@@ -1,0 +1,141 @@
+"""`ninfer plan`: where memory would go at startup, for this machine or a named card.
+
+Reads only the model's config and tensor headers (no weights are loaded), so it answers
+for a 24 GiB card on a laptop: `ninfer plan MODEL --device-spec rtx3090 --kv-dtype rk8v4`.
+Options are the ones `ninfer-serve` takes, generated from the same config dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from ninfer_core.cli.args import add_config_arguments, config_from_args
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import DeviceInfo
+from ninfer_core.engine.config import EngineConfig
+from ninfer_core.errors import ModelLoadError, NInferError, UnknownNameError
+from ninfer_core.memory.planner import (
+    MemoryConfig,
+    MemoryPlan,
+    device_memory,
+    parse_kv_capacity,
+    plan_memory,
+    weights_bytes,
+)
+from ninfer_core.memory.table import render_json, render_table
+from ninfer_core.memory.workspace import estimate_workspace
+from ninfer_core.plugin_host import PluginHost
+
+#: EngineConfig fields that do not change the memory plan (kv_capacity: MemoryConfig's).
+ENGINE_SKIP = ("max_pending_requests", "pending_timeout_ms", "kv_capacity", "prefix_cache")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show where memory goes at startup (weights, KV pool, workspace); loads nothing",
+    )
+    p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
+    add_config_arguments(p, RuntimeConfig, skip=("block_size", "max_context", "threads"))
+    add_config_arguments(p, EngineConfig, skip=ENGINE_SKIP)
+    add_config_arguments(p, MemoryConfig)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=run)
+
+
+def _model_config(host: PluginHost, artifact: Any):
+    archs = artifact.config.get("architectures") or []
+    if not archs:
+        raise ModelLoadError(f"{artifact.path / 'config.json'}: no 'architectures' entry")
+    try:
+        family = host.family_for(archs[0])
+    except UnknownNameError as exc:
+        raise ModelLoadError(f"{artifact.path / 'config.json'}: {exc}") from None
+    return family.parse_config(artifact.config)
+
+
+def _packs_head_copy(host: PluginHost, device: DeviceInfo, backend: str, dtype) -> bool:
+    """Whether the kernel backend would pack a tied head as a second matrix.
+
+    Asked of the backend itself with a 1x1 weight; only on the CPU, where packing
+    happens and asking touches no GPU.
+    """
+    from ninfer_core.selection import choose
+
+    if device.cuda is not None:
+        return False
+    chosen = choose(host, "kernel_backends", device, backend).chosen
+    if chosen is None:
+        return False
+    ops = host.kernel_backends.get(chosen).create_ops(device)
+    weight = torch.zeros(1, 1, dtype=dtype)
+    return ops.pack_linear(weight) is not weight
+
+
+def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
+    """The plan for the parsed options, and what it was made for (model, device)."""
+    from ninfer_core.builtin_model import ensure_builtin_model
+    from ninfer_core.device import probe_device, simulated_device
+    from ninfer_core.loading import DTYPES, compute_dtype, open_artifact
+    from ninfer_core.plugin_host import create_host
+    from ninfer_core.selection import choose
+
+    runtime = config_from_args(RuntimeConfig, ns)
+    memory_cfg = config_from_args(MemoryConfig, ns)
+    try:
+        # `--kv-capacity` (which may be `auto`) is MemoryConfig's; the engine's keeps its default.
+        shared = {k: v for k, v in vars(ns).items() if k != "kv_capacity"}
+        engine = config_from_args(EngineConfig, argparse.Namespace(**shared))
+    except ValueError as exc:
+        raise NInferError(str(exc)) from None
+    capacity = parse_kv_capacity(memory_cfg.kv_capacity)
+    device = simulated_device(runtime.device_spec) if runtime.device_spec else probe_device()
+    host = create_host()
+    codec_name = choose(host, "kv_codecs", device, runtime.kv_dtype).chosen
+    if codec_name is None:
+        raise NInferError("no KV codec supports this device (see `ninfer probe`)")
+    codec = host.kv_codecs.get(codec_name)
+    path = ns.model or str(ensure_builtin_model())
+    artifact = open_artifact(host, path)
+    config = _model_config(host, artifact)
+    dtype = compute_dtype(runtime.dtype, device)
+    head_copy = config.tie_word_embeddings and _packs_head_copy(
+        host, device, runtime.gemm_backend, dtype
+    )
+    workspace = estimate_workspace(
+        config,
+        dtype=dtype,
+        kv_codec=codec,
+        prefill_chunk=engine.prefill_chunk,
+        context=engine.max_context,
+        concurrency=engine.max_concurrency,
+    )
+    plan = plan_memory(
+        config,
+        weights_bytes=weights_bytes(config, dtype, artifact=artifact, head_copy=head_copy),
+        weights_dtype={v: k for k, v in DTYPES.items()}[dtype],
+        codec=codec,
+        memory=device_memory(device, memory_budget=memory_cfg.memory_budget),
+        workspace=workspace,
+        max_context=engine.max_context,
+        max_concurrency=engine.max_concurrency,
+        kv_capacity=capacity,
+        block_size=engine.block_size,
+        headroom_fraction=memory_cfg.memory_headroom,
+    )
+    about = {"model": str(path), "architecture": config.architecture}
+    return plan, about
+
+
+def run(ns: argparse.Namespace) -> int:
+    plan, about = make_plan(ns)
+    if ns.json:
+        sys.stdout.write(render_json(plan, **about) + "\n")
+        return 0
+    print(f"plan for {about['model']} ({about['architecture']}) on {plan.memory.device}")
+    print(render_table(plan))
+    return 0

@@ -1,0 +1,327 @@
+"""`plan_memory`: where a device's memory goes at startup, decided before anything is allocated.
+
+The plan is pure accounting over numbers its caller gathers: the weights' bytes (from the
+artifact's shapes, never its data), the KV codec's bytes per token, layer by layer, the
+activation workspace (`workspace.py`) and the memory free on the device. So `ninfer plan`
+can answer for a card this machine does not have, and `ninfer-serve` can refuse a
+configuration that will not fit before it loads a single weight.
+
+`--kv-capacity auto` gives the pool whatever is left after weights, workspace and a
+headroom that is a fraction of the memory being divided, not a fixed amount: a fixed GiB
+is too much for a small budget and too little for an 80 GiB card.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from ninfer_core.config import opt
+from ninfer_core.errors import NInferError
+from ninfer_core.memory.workspace import Workspace
+from ninfer_core.model.config import ModelConfig
+
+GIB = 1 << 30
+MIB = 1 << 20
+#: Share of the memory being divided that the plan leaves unallocated: allocator slack,
+#: kernel libraries' own workspaces. 3% of an idle 24 GiB card is 0.7 GiB.
+DEFAULT_HEADROOM = 0.03
+#: The headroom never goes below this, however small the budget.
+HEADROOM_FLOOR = 256 * MIB
+#: Layer kinds (`config.json` `layer_types`) that keep a fixed-size state, not per-token KV.
+NO_PER_TOKEN_KV = frozenset({"linear_attention"})
+
+Capacity = int | Literal["auto"]
+
+
+class MemoryPlanError(NInferError):
+    """A KV pool configuration that cannot work; raised before anything is allocated."""
+
+
+class CapacityBelowContextError(MemoryPlanError):
+    """`--kv-capacity` cannot hold even one sequence of `--max-context` tokens."""
+
+
+class CapacityDoesNotFitError(MemoryPlanError):
+    """An explicit `--kv-capacity` needs more memory than is free."""
+
+    def __init__(self, message: str, largest_fit: int) -> None:
+        super().__init__(message)
+        self.largest_fit = largest_fit
+
+
+class AutoCapacityTooSmallError(MemoryPlanError):
+    """`--kv-capacity auto` leaves room for fewer than `--max-context` tokens."""
+
+    def __init__(self, message: str, tokens: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
+@dataclass
+class MemoryConfig:
+    """How much of the device the engine may take, and how big its KV pool is."""
+
+    kv_capacity: str | None = opt(
+        None,
+        "KV pool size in tokens, shared by all sequences, or `auto`: all memory left after "
+        "weights, workspace and headroom; unset: --max-context",
+    )
+    memory_budget: float | None = opt(
+        None, "GiB this process may use at most (CPU: of the available RAM; CUDA: of free memory)"
+    )
+    memory_headroom: float = opt(DEFAULT_HEADROOM, "fraction of that memory left unallocated")
+
+
+def parse_kv_capacity(value: str | int | None) -> Capacity | None:
+    """`"auto"`, a positive token count, or None (one full context); anything else fails."""
+    if value is None or value == "auto" or isinstance(value, int):
+        tokens = value
+    else:
+        try:
+            tokens = int(str(value).replace("_", ""))
+        except ValueError:
+            raise MemoryPlanError(
+                f"--kv-capacity {value}: expected a token count or auto"
+            ) from None
+    if isinstance(tokens, int) and tokens <= 0:
+        raise MemoryPlanError(f"--kv-capacity {value}: must be a positive token count or auto")
+    return tokens
+
+
+class KVCodecLike(Protocol):
+    name: str
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """What one layer stores per cached token (0 for a layer with a fixed-size state)."""
+
+    layer: int
+    kind: str
+    bytes_per_token: int
+
+
+def kv_layers(config: ModelConfig, codec: KVCodecLike) -> list[LayerKV]:
+    """Per-layer KV cost, so a hybrid model counts only the layers that keep per-token KV."""
+    kinds = config.raw.get("layer_types")
+    if not isinstance(kinds, list) or len(kinds) != config.num_layers:
+        kinds = ["full_attention"] * config.num_layers
+    per_layer = codec.bytes_per_token(1, config.num_kv_heads, config.head_dim)
+    return [
+        LayerKV(i, str(kind), 0 if kind in NO_PER_TOKEN_KV else per_layer)
+        for i, kind in enumerate(kinds)
+    ]
+
+
+def weights_bytes(
+    config: ModelConfig, dtype: torch.dtype, *, artifact: Any = None, head_copy: bool = False
+) -> int:
+    """Bytes the runtime holds for the weights: every tensor it loads, cast to `dtype`.
+
+    With `artifact`, shapes come from its headers (and are checked against `config`);
+    without, from `config` alone. Tensors the family skips (a tied model's `lm_head`,
+    extra MTP layers) cost nothing. `head_copy`: the kernel backend packs a tied head as
+    its own copy (the torch backend does on the CPU), which costs one more head matrix.
+    """
+    from ninfer_core.model.weights import check_weights, weight_plan
+
+    if artifact is None:
+        shapes = [slot.shape for slot in weight_plan(config)]
+    else:
+        shapes = [artifact.tensor_shape(slot.hf_name) for slot in check_weights(config, artifact)]
+    count = sum(math.prod(shape) for shape in shapes)
+    if head_copy:
+        count += config.vocab_size * config.hidden_size
+    return count * dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """The memory a plan divides: free before the weights are placed, and where that came from."""
+
+    device: str
+    total: int
+    free: int
+    source: str
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of RAM a new allocation can get without swapping, in bytes."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_memory(
+    device: Any, *, memory_budget: float | None = None, in_use: int = 0
+) -> DeviceMemory:
+    """Free memory of `device` (a `DeviceInfo`), capped by `memory_budget` GiB.
+
+    CUDA: the free memory the probe saw (an idle card, for a `--device-spec`). CPU: the
+    host's `MemAvailable`. `in_use`: bytes this process already holds that the plan
+    counts (the weights, when planning after loading), added back before the cap.
+    """
+    if device.cuda is not None:
+        cuda = device.cuda
+        name = f"{cuda.name} (SM{cuda.sm_version}{', simulated' if device.simulated else ''})"
+        total, free = cuda.total_memory, cuda.free_memory
+        idle = f"--device-spec {device.simulated}, an idle card"
+        source = idle if device.simulated else "cudaMemGetInfo"
+    else:
+        name, total = f"CPU ({device.cpu.model})", device.cpu.memory_bytes
+        available = mem_available()
+        free, source = (total, "physical RAM") if available is None else (available, "MemAvailable")
+    free += in_use
+    if memory_budget is not None:
+        if memory_budget <= 0:
+            raise MemoryPlanError(f"--memory-budget {memory_budget}: must be positive (GiB)")
+        cap = int(memory_budget * GIB)
+        if cap < free:
+            free, source = cap, f"--memory-budget {memory_budget:g} GiB"
+        total = min(total, cap)
+    return DeviceMemory(name, total, free, source)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every byte of the startup budget; `free_after_bytes` always covers the headroom."""
+
+    memory: DeviceMemory
+    weights_bytes: int
+    weights_dtype: str
+    kv_codec: str
+    kv_layers: tuple[LayerKV, ...]
+    block_size: int
+    max_context: int
+    max_concurrency: int
+    #: As configured: a token count, "auto", or None (one full context).
+    kv_capacity: Capacity | None
+    pool_pages: int
+    workspace: Workspace
+    headroom_fraction: float
+    headroom_bytes: int
+    #: The largest pool (in tokens, whole pages) that would fit beside the rest.
+    largest_fit_tokens: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(layer.bytes_per_token for layer in self.kv_layers)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool_pages * self.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_tokens * self.kv_bytes_per_token
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weights_bytes + self.pool_bytes + self.workspace.nbytes
+
+    @property
+    def free_after_bytes(self) -> int:
+        return self.memory.free - self.used_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["workspace"] = self.workspace.to_json()
+        for name in ("kv_bytes_per_token", "pool_tokens", "pool_bytes", "free_after_bytes"):
+            out[name] = getattr(self, name)
+        return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def plan_memory(
+    model: ModelConfig,
+    *,
+    weights_bytes: int,
+    codec: KVCodecLike,
+    memory: DeviceMemory,
+    workspace: Workspace,
+    max_context: int,
+    max_concurrency: int = 1,
+    kv_capacity: Capacity | None = None,
+    block_size: int = 16,
+    weights_dtype: str = "",
+    headroom_fraction: float = DEFAULT_HEADROOM,
+    headroom_floor: int = HEADROOM_FLOOR,
+) -> MemoryPlan:
+    """Size the KV pool and check that everything fits; raise a `MemoryPlanError` if not.
+
+    `kv_capacity`: tokens (rounded up to whole pages of `block_size`), `"auto"` (the
+    largest whole number of pages that fits), or None (`max_context`).
+    """
+    if min(max_context, max_concurrency, block_size) <= 0:
+        raise MemoryPlanError("--max-context, --max-concurrency and --block-size must be positive")
+    if not 0 <= headroom_fraction < 1:
+        raise MemoryPlanError(f"--memory-headroom {headroom_fraction}: must be in [0, 1)")
+    capacity = max_context if kv_capacity is None else kv_capacity
+    if capacity != "auto" and capacity < max_context:
+        raise CapacityBelowContextError(
+            f"--kv-capacity {capacity} is smaller than --max-context {max_context}"
+        )
+    layers = tuple(kv_layers(model, codec))
+    page_bytes = block_size * sum(layer.bytes_per_token for layer in layers)
+    headroom = max(int(memory.free * headroom_fraction), headroom_floor)
+    left = memory.free - weights_bytes - workspace.nbytes - headroom
+    context_pages = -(-max_context // block_size)
+    if left < 0:
+        largest = 0
+    elif page_bytes == 0:  # no layer keeps per-token KV: any pool costs nothing
+        largest = context_pages if capacity == "auto" else -(-capacity // block_size)
+    else:
+        largest = left // page_bytes
+    spent = f"weights {_gib(weights_bytes)}, workspace {_gib(workspace.nbytes)}"
+    spent += f" and headroom {_gib(headroom)} GiB"
+    if capacity == "auto":
+        pages = largest
+        if pages < context_pages:
+            raise AutoCapacityTooSmallError(
+                f"--kv-capacity auto: the {_gib(max(left, 0))} GiB left for the KV pool (of "
+                f"{_gib(memory.free)} GiB free, after {spent}) holds {pages * block_size} "
+                f"tokens, fewer than --max-context {max_context}, which needs "
+                f"{_gib(context_pages * page_bytes)} GiB; free memory from {memory.source}",
+                pages * block_size,
+            )
+    else:
+        pages = -(-capacity // block_size)
+        need = memory.free - left + pages * page_bytes
+        if need > memory.free:
+            below = f", less than --max-context {max_context}" if largest < context_pages else ""
+            raise CapacityDoesNotFitError(
+                f"--kv-capacity {capacity} needs {_gib(need)} GiB, {_gib(memory.free)} GiB free; "
+                f"the largest that fits is {largest * block_size} tokens{below} (KV pool "
+                f"{_gib(pages * page_bytes)} GiB, {spent}; free memory from {memory.source})",
+                largest * block_size,
+            )
+    return MemoryPlan(
+        memory=memory,
+        weights_bytes=weights_bytes,
+        weights_dtype=weights_dtype,
+        kv_codec=codec.name,
+        kv_layers=layers,
+        block_size=block_size,
+        max_context=max_context,
+        max_concurrency=max_concurrency,
+        kv_capacity=kv_capacity,
+        pool_pages=pages,
+        workspace=workspace,
+        headroom_fraction=headroom_fraction,
+        headroom_bytes=headroom,
+        largest_fit_tokens=largest * block_size,
+    )

@@ -1,0 +1,73 @@
+"""A memory plan as people read it at startup (an aligned table) and as JSON for tools."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ninfer_core.memory.planner import GIB, MemoryPlan
+
+
+def kv_summary(plan: MemoryPlan) -> str:
+    """`rk8v4: 57600 bytes/token (36 layers x 1600)`, naming layers without per-token KV."""
+    keep = [layer for layer in plan.kv_layers if layer.bytes_per_token]
+    sizes = sorted({layer.bytes_per_token for layer in keep})
+    each = f" x {sizes[0]}" if len(sizes) == 1 else ""
+    if len(keep) == len(plan.kv_layers):
+        layers = f"{len(keep)} layers{each}"
+    else:
+        layers = f"{len(keep)} of {len(plan.kv_layers)} layers keep per-token KV{each}"
+    return f"{plan.kv_codec}: {plan.kv_bytes_per_token} bytes/token ({layers})"
+
+
+def rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
+    """(what, bytes, detail) for each line of the table, the total last."""
+    ws = plan.workspace
+    capacity = plan.kv_capacity or "unset: --max-context"
+    how = "measured" if ws.method == "measured" else "estimated"
+    floor = f"{plan.headroom_fraction:.0%} of the free memory"
+    if plan.headroom_bytes > int(plan.memory.free * plan.headroom_fraction):
+        floor = f"the {plan.headroom_bytes / GIB:.2f} GiB floor (more than {floor})"
+    return [
+        ("weights", plan.weights_bytes, f"held as {plan.weights_dtype}"),
+        (
+            "KV pool",
+            plan.pool_bytes,
+            f"{plan.pool_tokens} tokens = {plan.pool_pages} pages x {plan.block_size} "
+            f"(--kv-capacity {capacity})",
+        ),
+        (
+            "activation workspace",
+            ws.nbytes,
+            f"{how}: {ws.prefill_chunk}-token step, {ws.concurrency} x {ws.context} context",
+        ),
+        ("reserved headroom", plan.headroom_bytes, floor),
+        ("free after startup", plan.free_after_bytes, "including the headroom"),
+        ("total", plan.memory.free, f"free memory from {plan.memory.source}"),
+    ]
+
+
+def render_table(plan: MemoryPlan) -> str:
+    """The plan as aligned lines: a header, then one row per use of memory, in GiB."""
+    lines = [
+        f"KV codec {kv_summary(plan)}",
+        f"max context {plan.max_context} tokens, {plan.max_concurrency} sequences at once; "
+        f"the largest KV pool that fits is {plan.largest_fit_tokens} tokens",
+        "",
+    ]
+    table = rows(plan)
+    width = max(len(name) for name, _, _ in table)
+    for name, nbytes, detail in table:
+        if name == "total":
+            lines.append("-" * (width + 11))
+        lines.append(f"{name:<{width}}  {nbytes / GIB:6.2f} GiB  {detail}")
+    return "\n".join(lines)
+
+
+def plan_json(plan: MemoryPlan, **extra: Any) -> dict[str, Any]:
+    """`plan.to_json()` with `extra` keys (the model, the device) in front."""
+    return {**extra, **plan.to_json()}
+
+
+def render_json(plan: MemoryPlan, **extra: Any) -> str:
+    return json.dumps(plan_json(plan, **extra), indent=2)

@@ -1,0 +1,190 @@
+"""Activation workspace: the memory one engine step needs beyond weights and the KV pool.
+
+Two ways to get it:
+
+- `estimate_workspace` computes it from shapes alone (what `ninfer plan` uses, with no
+  weights loaded). It follows the torch reference backend, where the step's largest live
+  set is attention at any real context: each sequence's pages are gathered whole and
+  decoded to the compute dtype (quantized codecs through fp32 temporaries), one sequence
+  after another. That term grows with the context, so at long contexts it dwarfs the
+  projections. The SDPA kernel's internal scratch is not modelled (a flash or
+  memory-efficient kernel needs O(T·H·D) beside its inputs). Checked against a live-bytes
+  count of a real profiling step in `tests/test_memory_plan.py`.
+- `measure_workspace` runs a profiling step at the configured prefill chunk and reads
+  `torch.cuda.max_memory_allocated` on CUDA. The CPU has no allocator statistics, so
+  there it returns the estimate (an upper bound of what the step allocates).
+
+The worst step is the token budget `prefill_chunk` spread as the scheduler may spread
+it: `concurrency - 1` decode tokens and one prefill chunk, every sequence at
+`context` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from ninfer_core.model.config import ModelConfig
+
+#: Bytes per cached value that gathering a quantized sequence needs beside the two
+#: compute-dtype outputs: V's codes and two fp32 decode temporaries (codes as floats, then
+#: times the scales), and K's fp32 decode, which `gather` still holds while V decodes.
+#: Measured on the CPU: 15.5 bytes per value in all, with bf16 outputs.
+QUANTIZED_GATHER_SCRATCH = 12
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Peak bytes of one step, how they were obtained, and for which step."""
+
+    nbytes: int
+    method: Literal["estimate", "measured"]
+    prefill_chunk: int
+    context: int
+    concurrency: int
+    #: For an estimate, each stage's live bytes (the total is `step` + the largest stage).
+    parts: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gather_scratch(kv: Any, compute_dtype: torch.dtype) -> int:
+    """Extra bytes per gathered value for a KV codec or store, beyond the compute-dtype copy."""
+    if hasattr(kv, "k_quant") or hasattr(kv, "quant"):  # QuantizedKVCodec / QuantizedKVStore
+        return QUANTIZED_GATHER_SCRATCH
+    storage = getattr(kv, "dtype", compute_dtype)
+    # A plain store of another dtype gathers in its own dtype, then casts.
+    return 0 if storage == compute_dtype else storage.itemsize + compute_dtype.itemsize
+
+
+def step_shape(prefill_chunk: int, context: int, concurrency: int) -> tuple[int, int, int]:
+    """(tokens T, sequences B, longest query) of the worst step within the token budget."""
+    b = max(1, min(concurrency, prefill_chunk))
+    t = min(prefill_chunk, (b - 1) + context)
+    return t, b, t - (b - 1)
+
+
+def estimate_workspace(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    kv_codec: Any,
+    prefill_chunk: int,
+    context: int,
+    concurrency: int = 1,
+    logit_rows: int | None = None,
+) -> Workspace:
+    """Peak bytes of the worst step, stage by stage, from shapes (see the module doc).
+
+    `logit_rows`: rows projected onto the vocabulary (default one per sequence; drafts
+    being verified need one per draft token).
+    """
+    c = dtype.itemsize
+    t, b, qmax = step_shape(prefill_chunk, context, concurrency)
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    hq, hkv = config.num_heads, config.num_kv_heads
+    s = context
+    # One sequence's K (or V) at full context: [Hkv, S, D]. Sequences are gathered one at
+    # a time, but the previous one's K and V stay bound while the next is gathered.
+    gathered = s * hkv * d
+    previous = 2 * gathered * c if b > 1 else 0
+    mask = qmax * s if qmax not in (1, s) else 0  # bool [Q, S] of a later prefill chunk
+    scores = hq * s * (4 + c) if b > 1 or qmax == 1 else 0  # a decode row's fp32 scores
+    parts = {
+        # Live all step: the residual stream (a layer's input and its output), the mask, RoPE.
+        "step": 2 * t * h * c + mask + t * d * c,
+        # RMSNorm statistics in fp32.
+        "norm": t * h * c + 3 * t * h * 4,
+        # Normed input, qkv, normed and rotated q/k; K/V gathered and decoded; SDPA's
+        # additive copy of the mask or a decode row's scores; the per-sequence outputs
+        # and their concatenation.
+        "attention": (
+            t * h * c
+            + t * (hq + 2 * hkv) * d * c
+            + 3 * t * (hq + hkv) * d * c
+            + gathered * (2 * c + gather_scratch(kv_codec, dtype))
+            + previous
+            + max(mask * c, scores)
+            + 2 * t * hq * d * c
+        ),
+        # Normed input, gate|up, silu(gate), silu(gate) * up, the down projection.
+        "mlp": 2 * t * h * c + 4 * t * i * c,
+        # The head's output in the compute dtype, then as fp32 logits.
+        "logits": (logit_rows or b) * config.vocab_size * (c + 4),
+    }
+    total = parts["step"] + max(v for k, v in parts.items() if k != "step")
+    return Workspace(total, "estimate", prefill_chunk, context, concurrency, parts)
+
+
+class RunnerLike(Protocol):
+    """What `measure_workspace` needs of a `ModelRunner`."""
+
+    model: Any
+    kv_store: Any
+    device: torch.device
+    block_size: int
+
+    def run(self, batch: list, *, all_tokens: bool = False) -> torch.Tensor: ...
+
+
+def run_profiling_step(runner: RunnerLike, prefill_chunk: int, context: int, concurrency: int):
+    """Run the worst step (dummy token ids) through `runner`; returns its logits.
+
+    The KV store may be tiny: every sequence's block table cycles over its pages, so
+    attention still gathers `context` tokens per sequence. Token id 0 everywhere gives
+    finite K/V, which is all pages need (they are overwritten before any real read).
+    """
+    from ninfer_core.engine.sequence import Sequence
+
+    _, b, qmax = step_shape(prefill_chunk, context, concurrency)
+    num_blocks = runner.kv_store.layout.num_blocks
+    table = [p % num_blocks for p in range(-(-context // runner.block_size))]
+    batch = []
+    for n in [qmax] + [1] * (b - 1):
+        seq = Sequence([0] * context)
+        seq.num_computed_tokens = context - n
+        seq.block_table = list(table)
+        batch.append((seq, n))
+    return runner.run(batch)
+
+
+def measure_workspace(
+    runner: RunnerLike, prefill_chunk: int, *, context: int, concurrency: int = 1
+) -> Workspace:
+    """Peak bytes a profiling step allocates beyond what is allocated before it.
+
+    CUDA: measured with `torch.cuda.max_memory_allocated` (the store's pages are
+    already allocated, so they are not counted). CPU: `estimate_workspace` instead.
+    """
+    model = runner.model
+    if runner.device.type != "cuda":
+        return estimate_workspace(
+            model.config,
+            dtype=model.dtype,
+            kv_codec=runner.kv_store,
+            prefill_chunk=prefill_chunk,
+            context=context,
+            concurrency=concurrency,
+        )
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    logits = run_profiling_step(runner, prefill_chunk, context, concurrency)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del logits
+    return Workspace(peak, "measured", prefill_chunk, context, concurrency, {"peak": peak})
+
+
+def profiling_store(codec: Any, config: ModelConfig, *, block_size: int, prefill_chunk: int,
+                    device: torch.device | str, dtype: torch.dtype) -> Any:  # fmt: skip
+    """A KV store just big enough for `run_profiling_step`'s writes, before the pool is sized."""
+    from ninfer_core.kv.layout import KVLayout
+
+    pages = -(-prefill_chunk // block_size) + 1
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size, pages)
+    return codec.allocate(layout, device, compute_dtype=dtype)

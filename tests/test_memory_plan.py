@@ -1,0 +1,402 @@
+"""The memory planner: hand-computed Qwen3-8B figures, `--kv-capacity auto`, early errors,
+the artifact path, the workspace estimate against a real step, and `ninfer plan`."""
+
+from __future__ import annotations
+
+import json
+import struct
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_tiny_qwen3
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ninfer_core.cli.main import main
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import GIB, probe_device, simulated_device
+from ninfer_core.engine.block_manager import BlockManager
+from ninfer_core.engine.model_runner import ModelRunner
+from ninfer_core.loading import load_model, open_artifact
+from ninfer_core.memory import (
+    AutoCapacityTooSmallError,
+    CapacityBelowContextError,
+    CapacityDoesNotFitError,
+    DeviceMemory,
+    MemoryPlanError,
+    device_memory,
+    estimate_workspace,
+    kv_layers,
+    measure_workspace,
+    parse_kv_capacity,
+    plan_memory,
+    weights_bytes,
+)
+from ninfer_core.memory.planner import mem_available
+from ninfer_core.memory.table import render_table
+from ninfer_core.memory.workspace import profiling_store, run_profiling_step
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.weights import weight_plan
+from ninfer_core.plugin_host import create_host
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+CFG = ModelConfig.from_hf(QWEN3_8B, qk_norm=True)
+#: Parameters, by hand: embedding and untied head, then per layer q, k, v, o, gate, up,
+#: down, two RMSNorms of 4096 and q/k norms of 128, then the final norm.
+PARAMS = (
+    2 * 151936 * 4096
+    + 36 * (4096 * 4096 * 2 + 1024 * 4096 * 2 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128)
+    + 4096
+)
+RTX3090 = DeviceMemory("rtx3090", 24 * GIB, 23 * GIB, "free GPU memory")
+
+
+@pytest.fixture(scope="module")
+def host():
+    return create_host()
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b_folder(tmp_path_factory) -> Path:
+    """A Qwen3-8B-shaped model folder: real config and safetensors header, no weights.
+
+    The data region is a sparse file (a truncate, not 16 GB written): the reader checks
+    offsets against the file size, and planning never reads tensor data.
+    """
+    path = tmp_path_factory.mktemp("qwen3-8b")
+    (path / "config.json").write_text(json.dumps(QWEN3_8B))
+    header, offset = {}, 0
+    for slot in weight_plan(CFG):
+        size = 2 * slot.shape[0] * (slot.shape[1] if len(slot.shape) > 1 else 1)
+        header[slot.hf_name] = {
+            "dtype": "BF16",
+            "shape": list(slot.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header).encode()
+    with open(path / "model.safetensors", "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(8 + len(raw) + offset)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    return write_tiny_qwen3(
+        tmp_path_factory.mktemp("tiny"), head_dim=64, max_position_embeddings=4096
+    )
+
+
+def workspace_by_hand(s: int) -> int:
+    """The estimate for Qwen3-8B, fp16, rk8v4, a 1024-token step of 2 sequences at `s`."""
+    t, q, c = 1024, 1023, 2  # tokens, the prefill chunk's queries, bytes per fp16
+    gathered = s * 8 * 128  # one sequence's K (or V): [Hkv, S, D]
+    step = 2 * t * 4096 * c + q * s + t * 128 * c  # residual stream, bool mask, RoPE
+    attention = (
+        t * 4096 * c  # normed input
+        + t * (32 + 16) * 128 * c  # qkv
+        + 3 * t * (32 + 8) * 128 * c  # normed and rotated q, k
+        + gathered * (2 * c + 12)  # K and V in fp16, decode scratch
+        + 2 * gathered * c  # the previous sequence's K and V
+        + q * s * c  # SDPA's additive mask
+        + 2 * t * 32 * 128 * c  # outputs, concatenated
+    )
+    return step + attention
+
+
+def plan_8b(host, memory=RTX3090, **kw):
+    codec = host.kv_codecs.get(kw.pop("kv", "rk8v4"))
+    ctx = kw.pop("max_context", 32768)
+    ws = estimate_workspace(
+        CFG, dtype=torch.float16, kv_codec=codec, prefill_chunk=1024, context=ctx, concurrency=2
+    )
+    return plan_memory(
+        CFG,
+        weights_bytes=weights_bytes(CFG, torch.float16),
+        weights_dtype="fp16",
+        codec=codec,
+        memory=memory,
+        workspace=ws,
+        max_context=ctx,
+        max_concurrency=2,
+        **kw,
+    )
+
+
+def test_qwen3_8b_figures_match_a_hand_computation(host):
+    assert PARAMS == 8_190_735_360
+    assert weights_bytes(CFG, torch.float16) == PARAMS * 2 == 16_381_470_720
+    layers = kv_layers(CFG, host.kv_codecs.get("rk8v4"))
+    # Per layer and token: 8 KV heads x (K int8 128 + 2 scales x 2) + (V int4 64 + 4) bytes.
+    assert [(x.layer, x.bytes_per_token) for x in layers] == [
+        (i, 8 * (132 + 68)) for i in range(36)
+    ]
+    ws = estimate_workspace(
+        CFG, dtype=torch.float16, kv_codec=host.kv_codecs.get("rk8v4"),
+        prefill_chunk=1024, context=32768, concurrency=2,
+    )  # fmt: skip
+    assert ws.nbytes == workspace_by_hand(32768) == 857_899_008
+    plan = plan_8b(host, kv_capacity=40000)
+    assert plan.kv_bytes_per_token == 57_600
+    assert plan.pool_pages == 2500 and plan.pool_tokens == 40000  # 40000 / 16 exactly
+    assert plan.pool_bytes == 40000 * 57_600
+    assert plan.headroom_bytes == int(23 * GIB * 0.03) == 740_881_858
+    assert plan.free_after_bytes == 23 * GIB - 16_381_470_720 - 40000 * 57_600 - 857_899_008
+    assert plan.kv_capacity == 40000
+
+
+def test_explicit_capacity_rounds_up_to_whole_pages(host):
+    plan = plan_8b(host, kv_capacity=40001, block_size=16)
+    assert plan.pool_pages == 2501 and plan.pool_tokens == 40016
+
+
+def test_auto_on_a_simulated_rtx3090_takes_what_is_left(host):
+    plan = plan_8b(host, kv_capacity="auto")
+    left = 23 * GIB - 16_381_470_720 - 857_899_008 - 740_881_858
+    assert plan.pool_pages == left // (16 * 57_600) == 7287
+    assert plan.pool_tokens == 116_592 == plan.largest_fit_tokens
+    # Everything not planned is the headroom plus less than one page.
+    assert 0 <= plan.free_after_bytes - plan.headroom_bytes < 16 * 57_600
+
+
+def test_explicit_capacity_that_does_not_fit_names_the_largest_that_does(host):
+    plan_8b(host, kv_capacity=116_592)  # the largest fits exactly
+    with pytest.raises(CapacityDoesNotFitError) as err:
+        plan_8b(host, kv_capacity=116_593)
+    assert err.value.largest_fit == 116_592
+    need = 16_381_470_720 + 7288 * 16 * 57_600 + 857_899_008 + 740_881_858
+    assert str(err.value).startswith(
+        f"--kv-capacity 116593 needs {need / GIB:.2f} GiB, 23.00 GiB free; "
+        "the largest that fits is 116592 tokens ("
+    )
+
+
+def test_capacity_below_max_context_fails_before_any_memory_math(host):
+    with pytest.raises(CapacityBelowContextError) as err:
+        plan_8b(host, kv_capacity=16384, max_context=32768)
+    assert str(err.value) == "--kv-capacity 16384 is smaller than --max-context 32768"
+
+
+def test_auto_that_leaves_less_than_max_context_fails(host):
+    with pytest.raises(AutoCapacityTooSmallError) as err:
+        plan_8b(host, kv_capacity="auto", max_context=184320)
+    assert err.value.tokens < 184320
+    assert "fewer than --max-context 184320" in str(err.value)
+
+
+def test_headroom_is_a_fraction_with_a_floor(host):
+    small = DeviceMemory("cpu", 64 * GIB, 2 * GIB, "test")
+    codec = host.kv_codecs.get("fp16")
+    cfg = ModelConfig.from_hf({**QWEN3_8B, "num_hidden_layers": 2}, qk_norm=True)
+    ws = estimate_workspace(cfg, dtype=torch.float16, kv_codec=codec, prefill_chunk=64, context=64)
+    kw = dict(weights_bytes=0, codec=codec, workspace=ws, max_context=64)
+    assert plan_memory(cfg, memory=small, **kw).headroom_bytes == 256 << 20  # 3% is 61 MiB
+    big = DeviceMemory("h200", 141 * GIB, 139 * GIB, "test")
+    assert plan_memory(cfg, memory=big, **kw, headroom_fraction=0.05).headroom_bytes == int(
+        139 * GIB * 0.05
+    )
+
+
+def test_hybrid_layers_without_per_token_kv_cost_nothing(host):
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 9
+    cfg = ModelConfig.from_hf({**QWEN3_8B, "layer_types": types}, qk_norm=True)
+    layers = kv_layers(cfg, host.kv_codecs.get("fp16"))
+    assert sum(x.bytes_per_token for x in layers) == 9 * 2 * 8 * 128 * 2
+    assert [x.kind for x in layers[:4]] == types[:4]
+
+
+def test_kv_capacity_parsing():
+    assert parse_kv_capacity("auto") == "auto"
+    assert parse_kv_capacity("184320") == 184320
+    assert parse_kv_capacity(None) is None
+    for bad in ("0", "-5", "lots"):
+        with pytest.raises(MemoryPlanError):
+            parse_kv_capacity(bad)
+
+
+def test_cpu_memory_is_mem_available_capped_by_the_budget(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8388608 kB\n")
+    assert mem_available(str(meminfo)) == 8 * GIB
+    monkeypatch.setattr("ninfer_core.memory.planner.mem_available", lambda: 8 * GIB)
+    cpu = probe_device(use_cuda=False)
+    assert device_memory(cpu).free == 8 * GIB
+    capped = device_memory(cpu, memory_budget=2.5)
+    assert capped.free == int(2.5 * GIB) and "--memory-budget 2.5 GiB" in capped.source
+    assert device_memory(cpu, memory_budget=64).free == 8 * GIB  # a cap, never a raise
+    gpu = device_memory(simulated_device("rtx3090"))
+    assert (gpu.total, gpu.free) == (24 * GIB, 23 * GIB)
+
+
+def test_weights_from_the_artifact_are_what_the_runtime_holds(host, tiny_folder):
+    artifact = open_artifact(host, tiny_folder)
+    cfg = host.family_for("Qwen3ForCausalLM").parse_config(artifact.config)
+    loaded = load_model(
+        tiny_folder, host=host, device=probe_device(use_cuda=False),
+        runtime=RuntimeConfig(dtype="fp32"),
+    )  # fmt: skip
+    held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert weights_bytes(cfg, torch.float32, artifact=artifact) == held
+    assert weights_bytes(cfg, torch.bfloat16, artifact=artifact) == held // 2
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages ops create while the mode is on (not `known` ones)."""
+
+    def __init__(self, known) -> None:
+        super().__init__()
+        self.ignore = {t.untyped_storage().data_ptr() for t in known}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.ignore or not storage.nbytes():
+                continue
+            if key not in self.refs:
+                self.refs[key], self.sizes[key] = 0, storage.nbytes()
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+            self.refs[key] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
+
+
+def _tensors(*objs):
+    for obj in objs:
+        for value in vars(obj).values():
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+                    yield v
+
+
+@pytest.mark.parametrize("codec", ["rk8v4", "bf16", "fp16"])
+def test_workspace_estimate_bounds_a_real_profiling_step(host, tiny_folder, codec):
+    """The estimate covers what a real step allocates (counted op by op), without
+    overshooting by much; if the backend's memory use changes, this fails."""
+    loaded = load_model(
+        tiny_folder, host=host, device=probe_device(use_cuda=False),
+        runtime=RuntimeConfig(dtype="bf16"),
+    )  # fmt: skip
+    kv = host.kv_codecs.get(codec)
+    store = profiling_store(kv, loaded.config, block_size=16, prefill_chunk=128, device="cpu",
+                            dtype=loaded.dtype)  # fmt: skip
+    runner = ModelRunner(loaded.model, store, BlockManager(store.layout.num_blocks, 16))
+    known = [*_tensors(store, *loaded.model.modules()), *loaded.model.parameters()]
+    with LiveBytes(known) as mode:
+        logits = run_profiling_step(runner, 128, 2048, 2)
+    assert logits.shape == (2, loaded.config.vocab_size) and torch.isfinite(logits).all()
+    estimate = measure_workspace(runner, 128, context=2048, concurrency=2)  # CPU: the estimate
+    assert estimate.method == "estimate"
+    assert estimate == estimate_workspace(
+        loaded.config, dtype=loaded.dtype, kv_codec=kv, prefill_chunk=128, context=2048,
+        concurrency=2,
+    )  # fmt: skip
+    assert mode.peak <= estimate.nbytes <= 1.5 * mode.peak, (mode.peak, estimate.parts)
+
+
+# -- `ninfer plan` ---------------------------------------------------------------------------
+
+ISSUE_ARGS = ["--device-spec", "rtx3090", "--max-context", "184320", "--kv-dtype", "rk8v4",
+              "--max-concurrency", "2"]  # fmt: skip
+
+
+def test_plan_cli_table(qwen3_8b_folder, capsys, host):
+    args = ["plan", str(qwen3_8b_folder), *ISSUE_ARGS[:2], "--max-context", "32768",
+            "--kv-dtype", "rk8v4", "--max-concurrency", "2", "--kv-capacity", "auto"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        f"plan for {qwen3_8b_folder} (Qwen3ForCausalLM) on NVIDIA GeForce RTX 3090 "
+        "(SM86, simulated)"
+    )
+    assert out[1] == "KV codec rk8v4: 57600 bytes/token (36 layers x 1600)"
+    rows = {line[:22].strip(): line[22:].split() for line in out[4:] if "GiB" in line}
+    assert rows["weights"][:2] == ["15.26", "GiB"]
+    assert rows["KV pool"][2:4] == ["116592", "tokens"]
+    assert rows["activation workspace"][0] == f"{857_899_008 / GIB:.2f}"
+    assert rows["reserved headroom"][0] == "0.69"
+    assert rows["total"][:2] == ["23.00", "GiB"]
+    memory = device_memory(simulated_device("rtx3090"))
+    assert "\n".join(out[1:]) == render_table(plan_8b(host, memory=memory, kv_capacity="auto"))
+
+
+def test_plan_cli_json(qwen3_8b_folder, capsys, host):
+    args = ["plan", str(qwen3_8b_folder), "--device-spec", "rtx3090", "--max-context", "32768",
+            "--kv-dtype", "rk8v4", "--max-concurrency", "2", "--kv-capacity", "40000",
+            "--json"]  # fmt: skip
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["architecture"] == "Qwen3ForCausalLM"
+    assert data["weights_bytes"] == 16_381_470_720 and data["weights_dtype"] == "fp16"
+    assert data["kv_codec"] == "rk8v4" and data["kv_bytes_per_token"] == 57_600
+    assert len(data["kv_layers"]) == 36 and data["kv_layers"][0]["bytes_per_token"] == 1600
+    assert (data["pool_tokens"], data["pool_pages"], data["kv_capacity"]) == (40000, 2500, 40000)
+    assert data["workspace"]["nbytes"] == 857_899_008
+    assert data["workspace"]["method"] == "estimate"
+    assert data["memory"]["free"] == 23 * GIB
+    assert data["free_after_bytes"] == plan_8b(host, kv_capacity=40000).free_after_bytes
+
+
+def test_plan_cli_issue_command_says_what_fits(qwen3_8b_folder, capsys):
+    """Qwen3-8B in fp16 weights (15.3 GiB) and 184320 tokens of rk8v4 do not fit on 23 GiB."""
+    assert main(["plan", str(qwen3_8b_folder), *ISSUE_ARGS]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith("ninfer plan: error: --kv-capacity 184320 needs ")
+    assert ", 23.00 GiB free; the largest that fits is " in line
+    assert "less than --max-context 184320" in line
+
+
+def test_plan_cli_refuses_fp8_on_sm86_in_one_line(qwen3_8b_folder, capsys):
+    args = ["plan", str(qwen3_8b_folder), "--device-spec", "rtx3090", "--kv-dtype", "fp8"]
+    assert main(args) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ninfer plan: error: --kv-dtype fp8: ")
+    assert "fp8 KV needs SM89 or newer (this GPU is SM86); use --kv-dtype int8 or rk8v4" in line
+
+
+def test_plan_cli_on_the_cpu_counts_a_packed_tied_head(tiny_folder, capsys, host):
+    from plugins.backend_torch import TorchOps
+
+    args = ["plan", str(tiny_folder), "--device-spec", "cpu", "--dtype", "bf16", "--json",
+            "--max-context", "256", "--memory-budget", "1"]  # fmt: skip
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    cfg = host.family_for("Qwen3ForCausalLM").parse_config(json.loads(
+        (tiny_folder / "config.json").read_text()))  # fmt: skip
+    probe = torch.zeros(1, 1, dtype=torch.bfloat16)
+    packs = TorchOps("cpu").pack_linear(probe) is not probe
+    head = cfg.vocab_size * cfg.hidden_size * 2
+    assert data["weights_bytes"] == weights_bytes(cfg, torch.bfloat16) + (head if packs else 0)
+    assert data["memory"]["free"] <= GIB and data["kv_codec"] == "bf16"
