@@ -1,16 +1,279 @@
-"""`ninfer-serve`: the HTTP server."""
+"""`ninfer-serve MODEL`: load one model and serve it over HTTP until SIGINT/SIGTERM.
+
+The port is bound first and the model loads behind it, so `/health` says 503 (and the API
+routes 503 with Retry-After) while it loads: a supervisor can tell "starting" from "down".
+The options are generated from `ServeConfig`, `EngineConfig` and `RuntimeConfig` (the latter's
+`block_size` and `max_context` are the engine's). On a signal uvicorn stops accepting, gives
+running requests `--graceful-shutdown-s` to finish and cancels the rest; the lifespan
+shutdown then stops the engine thread.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ninfer_core.cli.args import add_config_arguments, config_from_args
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.engine.config import EngineConfig
+from ninfer_core.errors import NInferError
+from ninfer_core.serve.config import ServeConfig
+
+if TYPE_CHECKING:
+    from ninfer_core.device import DeviceInfo
+    from ninfer_core.loading import LoadedModel
+    from ninfer_core.plugin_host import PluginHost
+    from ninfer_core.serve.state import ServeState
+
+log = logging.getLogger("ninfer.serve")
+RUNTIME_SKIP = ("block_size", "max_context", "device_spec")
+
+
+def kv_capacity(value: str) -> int:
+    """`--kv-capacity auto` is 0: one full context (sizing by free memory is to come)."""
+    return 0 if value == "auto" else int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ninfer-serve", description="Serve one model over the OpenAI (and Anthropic) API."
+    )
+    p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log plugin loading and requests")
+    add_config_arguments(p, ServeConfig)
+    add_config_arguments(p, EngineConfig)
+    add_config_arguments(p, RuntimeConfig, skip=RUNTIME_SKIP)
+    for action in p._actions:
+        if action.dest == "kv_capacity":
+            action.type = kv_capacity
+            action.help = "KV pool size in tokens; auto or 0: one full --max-context"
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.stderr.write(
-        "ninfer-serve: the HTTP server is not part of this build yet; "
-        "use `ninfer generate` for one-shot generation\n"
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if ns.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
     )
-    return 2
+    try:
+        serve = config_from_args(ServeConfig, ns)
+        serve.check_speculation()
+        engine = config_from_args(EngineConfig, ns)
+        runtime = config_from_args(RuntimeConfig, ns)
+    except (ValueError, NInferError) as exc:
+        sys.stderr.write(f"ninfer-serve: error: {exc}\n")
+        return 2
+    runtime = dataclasses.replace(
+        runtime, block_size=engine.block_size, max_context=engine.max_context
+    )
+    try:
+        return run(ns.model, serve, engine, runtime)
+    except NInferError as exc:
+        sys.stderr.write(f"ninfer-serve: error: {exc}\n")
+        return 1
+
+
+def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: RuntimeConfig) -> int:
+    import uvicorn
+
+    from ninfer_core.device import probe_device
+    from ninfer_core.plugin_host import create_host
+    from ninfer_core.serve.app import attach_state, create_app
+
+    host, device = create_host(), probe_device()
+    if not host.frontends:
+        raise NInferError("no API frontend is installed (see `ninfer plugins`)")
+    print_probe(host, device, runtime)
+    app = create_app(
+        None, host, api_key=serve.api_key, max_request_mib=serve.max_request_mib,
+        cors=serve.cors_origins or None,
+    )  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=serve.host, port=serve.port, ws="none", lifespan="on",
+            timeout_graceful_shutdown=serve.graceful_shutdown_s,
+            log_level="info",
+        )
+    )  # fmt: skip
+    failure: list[BaseException] = []
+
+    def load(loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            state = load_state(model, host, device, serve, engine, runtime)
+        except BaseException as exc:  # reported by the main thread, which then exits 1
+            failure.append(exc)
+            server.should_exit = True
+            return
+        app.on_shutdown.append(lambda: state.engine.close())
+
+        def go_live() -> None:  # on the event loop: the routes change under the router
+            attach_state(app, state)
+            print(f"ready: {url(serve)}/v1 (model {state.options.model_id!r})", flush=True)
+
+        loop.call_soon_threadsafe(go_live)
+
+    def start_loading() -> None:
+        loop = asyncio.get_running_loop()
+        # A daemon thread: a signal during a long load must not wait for it to finish.
+        threading.Thread(target=load, args=(loop,), name="ninfer-load", daemon=True).start()
+
+    app.on_startup.append(start_loading)
+    print(f"listening on {url(serve)} (loading the model; /health answers 503 until ready)")
+    sys.stdout.flush()
+    with quiet_after_shutdown():
+        server.run()
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, NInferError):
+            raise exc
+        raise NInferError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
+    return 0
+
+
+@contextlib.contextmanager
+def quiet_after_shutdown() -> Iterator[None]:
+    """uvicorn handles SIGINT/SIGTERM itself and, once shut down, raises the signal again for
+    the handler that was there before, which by default kills the process (or raises
+    KeyboardInterrupt). The server has already shut down cleanly by then, so the handler
+    installed here only lets `main` return 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def url(serve: ServeConfig) -> str:
+    host = serve.host if serve.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host}:{serve.port}"
+
+
+def default_model_id(model: str | None) -> str:
+    from ninfer_core.builtin_model import BUILTIN_NAME
+
+    return Path(model).name.removesuffix(".ninfer") if model else BUILTIN_NAME
+
+
+# -- startup -------------------------------------------------------------------------------
+
+
+def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) -> None:
+    """The device and what each extension point chose on it, as `ninfer probe` says it;
+    a refused `--kv-dtype` or `--gemm-backend` fails here, with the alternatives."""
+    from ninfer_core.kv import AUTO_KV_CODEC
+    from ninfer_core.loading import compute_dtype
+    from ninfer_core.selection import probe
+
+    kv = runtime.kv_dtype  # `auto` is the compute dtype's codec, as the engine will pick it
+    kv = AUTO_KV_CODEC[compute_dtype(runtime.dtype, device)] if kv == "auto" else kv
+    print(device.describe())
+    for report in probe(host, device, gemm_backend=runtime.gemm_backend, kv_dtype=kv):
+        names = [c.name for c in report.candidates if c.status in ("chosen", "available")]
+        chosen = report.chosen or ", ".join(names) or "(none)"
+        print(f"  {report.point.replace('_', ' ')}: {chosen}")
+    for f in host.failures:
+        print(f"  plugin {f.plugin} ({f.distribution}) not loaded: {f.reason}")
+
+
+def load_state(
+    model: str | None,
+    host: PluginHost,
+    device: DeviceInfo,
+    serve: ServeConfig,
+    config: EngineConfig,
+    runtime: RuntimeConfig,
+) -> ServeState:
+    import torch
+
+    from ninfer_core.builtin_model import ensure_builtin_model
+    from ninfer_core.engine.engine import Engine
+    from ninfer_core.loading import load_model
+    from ninfer_core.serve.state import ServeOptions, ServeState
+    from ninfer_core.text import ChatTemplate, GenerationDefaults
+
+    if runtime.threads > 0:
+        torch.set_num_threads(runtime.threads)
+    loaded = load_model(model or ensure_builtin_model(), host=host, device=device, runtime=runtime)
+    engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype)
+    tokenizer = engine.tokenizer
+    options = ServeOptions(
+        model_id=serve.model_id or default_model_id(model),
+        default_max_tokens=serve.default_max_tokens,
+        temperature=serve.temperature, top_p=serve.top_p, top_k=serve.top_k,
+        min_p=serve.min_p, repetition_penalty=serve.repetition_penalty,
+    )  # fmt: skip
+    state = ServeState(
+        engine=engine,
+        tokenizer=tokenizer,
+        template=ChatTemplate.from_artifact(loaded.artifact, tokenizer.special_tokens),
+        defaults=GenerationDefaults.from_artifact(loaded.artifact),
+        options=options,
+    )
+    print(memory_plan(state, loaded, host), flush=True)
+    return state
+
+
+def memory_plan(state: ServeState, loaded: LoadedModel, host: PluginHost) -> str:
+    """The memory plan: weights, and the KV pool every sequence shares."""
+    engine, cfg = state.engine, loaded.config
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    codec = host.kv_codecs.get(engine.kv_codec)
+    pages, page = engine.block_manager.num_blocks, engine.block_manager.block_size
+    per_token = codec.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    mib = 1024 * 1024
+    return (
+        f"model {state.options.model_id!r} ({loaded.path}): weights {weights / mib:.1f} MiB, "
+        f"context {engine.max_context} tokens\n"
+        f"KV pool: {pages} pages x {page} tokens = {pages * page} tokens, "
+        f"{pages * page * per_token / mib:.1f} MiB ({engine.kv_codec}, {per_token} B/token); "
+        f"{engine.config.max_concurrency} running, {engine.config.max_pending_requests} queued "
+        "at most"
+    )
+
+
+class ServerThread:
+    """An app served by uvicorn on a thread of its own: for tests, benches and embedding.
+    Port 0 takes a free port; `url` says which. No signal handlers (not the main thread)."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            app, host=host, port=port, ws="none", lifespan="on", log_level="warning",
+            timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="ninfer-http", daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
 
 
 if __name__ == "__main__":

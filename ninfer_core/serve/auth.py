@@ -1,0 +1,70 @@
+"""The API-key check: `Authorization: Bearer KEY` or `x-api-key: KEY`, before the body is read.
+
+OpenAI clients send the key as a Bearer token and Anthropic clients as `x-api-key`; both are
+accepted on every route, so one key serves both. The comparison is constant-time
+(`hmac.compare_digest`) so response timing says nothing about how much of a guess was right.
+The 401 is rendered in the shape of the protocol that owns the path (see `ErrorShapes`).
+Routes whose handler sets `opt={"no_auth": True}` (`/health`) and CORS preflights are exempt.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING
+
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+
+from ninfer_core.serve.errors import ApiError
+
+if TYPE_CHECKING:
+    from litestar.types import ASGIApp, Receive, Scope, Send
+
+    from ninfer_core.serve.app import ErrorShapes
+
+NO_AUTH = "no_auth"
+
+
+def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request carries: `x-api-key`, else a Bearer token, else None."""
+    bearer = None
+    for name, value in headers:
+        if name == b"x-api-key":
+            return value.strip()
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer":
+                bearer = token.strip()
+    return bearer
+
+
+def key_matches(presented: bytes | None, expected: bytes) -> bool:
+    # Constant time in the key's contents; only a length mismatch answers faster.
+    return presented is not None and hmac.compare_digest(presented, expected)
+
+
+class ApiKeyMiddleware(ASGIMiddleware):
+    """Answers 401 before anything else runs when the request lacks the right key."""
+
+    scopes = (ScopeType.HTTP,)
+    exclude_opt_key = NO_AUTH
+
+    def __init__(self, api_key: str, shapes: ErrorShapes) -> None:
+        self.expected = api_key.encode()
+        self.shapes = shapes
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        if scope["method"] == "OPTIONS":  # a CORS preflight never carries credentials
+            await next_app(scope, receive, send)
+            return
+        presented = presented_key(scope["headers"])
+        if key_matches(presented, self.expected):
+            await next_app(scope, receive, send)
+            return
+        message = (
+            "no API key given: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            if presented is None
+            else "the API key is not valid"
+        )
+        error = ApiError(401, "authentication", message, headers={"WWW-Authenticate": "Bearer"})
+        await self.shapes.send(scope, send, error)

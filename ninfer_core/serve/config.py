@@ -1,0 +1,86 @@
+"""`ServeConfig`: the HTTP server's own settings; `ninfer-serve`'s options are generated from it.
+
+The engine's settings (`EngineConfig`) and the runtime's (`RuntimeConfig`) sit beside it;
+this class holds only what is about serving: where to listen, who may call, how big a
+request may be, and the defaults a request falls back on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ninfer_core.config import opt
+from ninfer_core.errors import NInferError
+
+DEFAULT_PORT = 18020
+#: Read when `--api-key` is not given, so the key need not appear in the process list.
+API_KEY_ENV = "NINFER_API_KEY"
+
+
+@dataclass
+class ServeConfig:
+    """The HTTP server: address, authentication, request limits and defaults."""
+
+    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    port: int = opt(DEFAULT_PORT, "TCP port to listen on")
+    model_id: str | None = opt(None, "the model name clients send; default: the folder's name")
+    api_key: str | None = opt(
+        None, f"require this key (Bearer or x-api-key); default: ${API_KEY_ENV}, unset: no auth"
+    )
+    max_request_mib: float = opt(16.0, "largest request body in MiB; larger ones get 413")
+    cors: str | None = opt(None, "comma-separated origins browsers may call from; *: any")
+    default_max_tokens: int = opt(
+        1024, "new-token budget of a request that gives none (its KV pages are reserved)"
+    )
+    temperature: float | None = opt(None, "default sampling temperature; 0 is greedy")
+    top_p: float | None = opt(None, "default nucleus sampling threshold; 1 is off")
+    top_k: int | None = opt(None, "default top-k; 0 is off")
+    min_p: float | None = opt(None, "default min-p; 0 is off")
+    repetition_penalty: float | None = opt(None, "default repetition penalty; 1 is off")
+    graceful_shutdown_s: float = opt(
+        30.0, "on SIGINT/SIGTERM, seconds running requests may finish before they are cancelled"
+    )
+    spec: str | None = opt(None, "speculative decoding: mtp or ngram (not available yet)")
+    draft_tokens: int | None = opt(None, "draft tokens per speculative round (with --spec)")
+    lm_head_draft: bool = opt(False, "draft with a reduced LM head (with --spec)")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_request_mib <= 0:
+            raise ValueError(f"max_request_mib must be positive, got {self.max_request_mib}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.graceful_shutdown_s < 0:
+            raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mib * 1024 * 1024)
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [o.strip() for o in (self.cors or "").split(",") if o.strip()]
+
+    def check_speculation(self) -> None:
+        """Refuse the speculative options until speculative decoding exists, saying so."""
+        given = [
+            flag
+            for flag, value in (
+                ("--spec", self.spec),
+                ("--draft-tokens", self.draft_tokens),
+                ("--lm-head-draft", self.lm_head_draft or None),
+            )
+            if value is not None
+        ]
+        if given:
+            raise NInferError(
+                f"{', '.join(given)}: speculative decoding (MTP, n-gram, LM-head drafts) is not "
+                "part of this build yet; start without these options (greedy output is the "
+                "same either way)"
+            )

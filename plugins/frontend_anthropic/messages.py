@@ -1,0 +1,186 @@
+"""`POST /v1/messages`: one generation, answered whole or as Anthropic's event stream.
+
+Everything that can be refused is refused before the engine sees the request (model
+id, content, tools, budget, sampling), so those failures are plain HTTP errors. A
+streamed response waits up to one ping interval for the first event, so a full queue
+(429) or an early queue timeout (503) still gets its own status; after that the stream
+starts and sends `ping`s while the request waits in the queue or in a long prefill,
+and a later failure arrives as an `error` event, as Anthropic sends it mid-stream.
+A client that leaves before the response starts cancels its request as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+from litestar.response import ServerSentEvent, ServerSentEventMessage
+
+from ninfer_core.engine.request import FinishEvent, GenerationRequest, Usage
+from ninfer_core.serve.errors import ApiError
+from ninfer_core.serve.limits import until_disconnect
+from plugins.frontend_anthropic import convert
+from plugins.frontend_anthropic.blocks import BlockAssembler
+from plugins.frontend_anthropic.context import Context
+from plugins.frontend_anthropic.errors import error_body
+from plugins.frontend_anthropic.pump import TICK, EventPump
+from plugins.frontend_anthropic.wire import MessagesRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Plan:
+    """A validated request: what to submit, and how to read the model's answer."""
+
+    request: GenerationRequest
+    model: str
+    tools: list[dict[str, Any]] | None
+    thinking_open: bool
+    stop_sequences: tuple[str, ...]
+    #: max_tokens was cut to the room the context had left.
+    clamped: bool = False
+
+    def assembler(self) -> BlockAssembler:
+        return BlockAssembler(
+            self.tools, parse_tools=self.tools is not None, thinking_open=self.thinking_open
+        )
+
+
+async def plan(ctx: Context, data: MessagesRequest) -> Plan:
+    ctx.check_model(data.model)
+    state = ctx.state
+    prompt = convert.to_prompt(data)
+    # Rendering a long conversation takes a while; other streams keep flowing meanwhile.
+    ids = await asyncio.to_thread(convert.render, state, prompt)
+    stops = tuple(s for s in data.stop_sequences or () if s)
+    # Agents ask for a fixed max_tokens (Claude Code: 32000) however long the conversation
+    # has grown; like Anthropic's API, the budget shrinks to what the context has left and
+    # the answer says so. A budget no context could hold is still refused.
+    budget = data.max_tokens
+    if budget <= state.max_context:
+        budget = min(budget, max(1, state.max_context - len(ids)))
+    request = GenerationRequest(
+        ids,
+        state.sampling(temperature=data.temperature, top_p=data.top_p, top_k=data.top_k),
+        max_tokens=state.max_tokens(budget, len(ids)),
+        stop=stops,
+    )
+    thinking_open = convert.opens_thinking(state, ids)
+    clamped = budget < data.max_tokens
+    return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped)
+
+
+def usage(u: Usage) -> dict[str, int]:
+    """Anthropic counts cache reads apart: input + cache_read is the whole prompt."""
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
+
+
+def stop_reason(plan: Plan, finish: FinishEvent, tool_use: bool) -> tuple[str, str | None]:
+    if tool_use:
+        return "tool_use", None
+    if finish.reason == "length":
+        return ("model_context_window_exceeded" if plan.clamped else "max_tokens"), None
+    if isinstance(finish.matched, str) and finish.matched in plan.stop_sequences:
+        return "stop_sequence", finish.matched
+    return "end_turn", None
+
+
+def message(mid: str, plan: Plan, content: list[Any], **rest: Any) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": plan.model,
+            "content": content, "stop_reason": None, "stop_sequence": None} | rest  # fmt: skip
+
+
+async def collect(events: AsyncIterator[Any], blocks: BlockAssembler) -> FinishEvent:
+    """Run a generation to its end, feeding its text to `blocks`."""
+    async for event in events:
+        if isinstance(event, FinishEvent):
+            blocks.finish()
+            return event
+        blocks.feed(event.text)
+    raise ApiError(500, "internal", "the generation ended without a finish")
+
+
+@post("/messages", status_code=200, summary="Create a message (Anthropic Messages API)")
+async def create_message(
+    request: Request[Any, Any, Any],
+    data: JSONBody[MessagesRequest],
+    anthropic: NamedDependency[Context],
+) -> Response[Any]:
+    p = await plan(anthropic, data)
+    state, mid = anthropic.state, "msg_" + uuid.uuid4().hex[:24]
+    headers = {"request-id": "req_" + p.request.request_id[:24]}
+    if data.stream:
+        rid = p.request.request_id
+        pump = EventPump(state.generate(p.request), on_close=lambda: state.engine.cancel(rid))
+        try:
+            await until_disconnect(request, pump.start(anthropic.ping_interval_s))
+        except BaseException:
+            pump.close()
+            raise
+        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return ServerSentEvent(stream(anthropic, p, pump, mid), headers=headers)
+    blocks = p.assembler()
+    finish = await until_disconnect(request, collect(state.generate(p.request), blocks))
+    reason, sequence = stop_reason(p, finish, blocks.has_tool_use)
+    body = message(mid, p, blocks.blocks, stop_reason=reason, stop_sequence=sequence,
+                   usage=usage(finish.usage))  # fmt: skip
+    return Response(body, status_code=200, headers=headers)
+
+
+def _sse(event: dict[str, Any]) -> ServerSentEventMessage:
+    return ServerSentEventMessage(event=event["type"], data=msgspec.json.encode(event).decode())
+
+
+PING = {"type": "ping"}
+
+
+async def stream(
+    ctx: Context, plan: Plan, pump: EventPump, mid: str
+) -> AsyncIterator[ServerSentEventMessage]:
+    """message_start, ping, content_block_* …, message_delta, message_stop.
+
+    Leaving early (the client went away) closes the pump, which cancels the request.
+    """
+    try:
+        start = Usage(len(plan.request.prompt_ids), 0)
+        yield _sse({"type": "message_start", "message": message(mid, plan, [], usage=usage(start))})
+        yield _sse(PING)
+        blocks, finish = plan.assembler(), None
+        while finish is None:
+            item = await pump.next(ctx.ping_interval_s)
+            if item is TICK:
+                yield _sse(PING)
+            elif item is None:
+                raise ApiError(500, "internal", "the generation ended without a finish")
+            elif isinstance(item, FinishEvent):
+                finish = item
+            else:
+                for event in blocks.feed(item.text):
+                    yield _sse(event)
+        for event in blocks.finish():
+            yield _sse(event)
+        reason, sequence = stop_reason(plan, finish, blocks.has_tool_use)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        yield _sse({"type": "message_delta", "delta": delta, "usage": usage(finish.usage)})
+        yield _sse({"type": "message_stop"})
+    except ApiError as exc:
+        yield _sse(error_body(exc.status, exc.message, exc.kind))
+    except Exception:
+        log.exception("stream %s failed", mid)
+        yield _sse(error_body(500, "internal server error"))
+    finally:
+        pump.close()

@@ -1,0 +1,152 @@
+"""`POST /v1/chat/completions`: a conversation in, an assistant message (or its stream) out.
+
+The conversation goes through the model's chat template (tools included), the answer through
+`ChatOutput` (reasoning, content, tool calls). Streaming sends the role first, then one chunk
+per piece of text or finished tool call, then the finish reason and, when asked for
+(`stream_options.include_usage`), a last chunk with the usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from litestar import Request, Response, post
+from litestar.openapi import ResponseSpec
+from litestar.params import JSONBody
+
+from ninfer_core.engine.request import FinishEvent, GenerationEvent
+from ninfer_core.serve.limits import until_disconnect
+from ninfer_core.serve.state import ServeState
+from ninfer_core.text.tool_calls import ToolCall
+from plugins.frontend_openai import wire
+from plugins.frontend_openai.common import (
+    check_model,
+    collect,
+    first_event,
+    generation_request,
+    new_id,
+    now,
+    refuse,
+    refuse_unsupported,
+    sse,
+    usage,
+)
+from plugins.frontend_openai.conversation import template_kwargs, template_messages, template_tools
+from plugins.frontend_openai.output import ChatOutput, Piece
+
+
+def finish_reason(reason: str, calls: list[ToolCall]) -> str:
+    if reason == "stop" and calls:
+        return "tool_calls"
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def thinking_open(state: ServeState, prompt: list[int]) -> bool:
+    """Whether the template opened a `<think>` block the answer starts inside."""
+    return state.tokenizer.decode(prompt[-4:]).rstrip().endswith("<think>")
+
+
+def out_calls(calls: list[ToolCall]) -> list[wire.ToolCallOut] | None:
+    return [
+        wire.ToolCallOut(c.id, wire.FunctionCallOut(c.name, c.arguments)) for c in calls
+    ] or None
+
+
+def route_handlers(state: ServeState) -> list:
+    @post(
+        "/v1/chat/completions",
+        status_code=200,
+        summary="Create a chat completion",
+        responses={
+            200: ResponseSpec(
+                wire.ChatCompletion,
+                description="the completion, or with stream=true an event stream of chunks",
+            )
+        },
+    )
+    async def chat_completions(
+        request: Request, data: JSONBody[wire.ChatCompletionRequest]
+    ) -> Response:
+        check_model(state, data.model)
+        refuse_unsupported(data)
+        if data.logprobs or data.top_logprobs:
+            raise refuse("logprobs", "log probabilities are not supported by this server")
+        if data.response_format is not None and data.response_format.type != "text":
+            raise refuse("response_format", "only 'text' (decoding is not constrained here)")
+        messages = template_messages(data.messages)
+        tools, parse_tools = template_tools(data)
+        prompt = state.render(messages, tools, **template_kwargs(data))
+        budget = (
+            data.max_completion_tokens
+            if data.max_completion_tokens is not None
+            else (data.max_tokens)
+        )
+        gen = generation_request(state, data, prompt, budget)
+        output = ChatOutput(
+            tools if parse_tools else None, thinking_open=thinking_open(state, prompt)
+        )
+        events = state.generate(gen)
+        rid, created = new_id("chatcmpl"), now()
+        if data.stream:
+            first = await first_event(request, events)
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            chunks = stream(first, events, output, rid, created, data.model, include_usage)
+            return sse(chunks)
+        finish = await until_disconnect(request, collect(events, output.feed))
+        output.finish()
+        content = "".join(output.content)
+        message = wire.AssistantMessage(
+            content=content if content or not output.calls else None,
+            reasoning_content="".join(output.reasoning) or None,
+            tool_calls=out_calls(output.calls),
+        )
+        choice = wire.ChatChoice(0, message, finish_reason(finish.reason, output.calls))
+        return Response(
+            wire.ChatCompletion(rid, created, data.model, [choice], usage(finish.usage))
+        )
+
+    return [chat_completions]
+
+
+async def stream(
+    first: GenerationEvent,
+    events: AsyncIterator[GenerationEvent],
+    output: ChatOutput,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunk(delta: wire.Delta, reason: str | None = None) -> str:
+        choice = wire.ChunkChoice(0, delta, reason)
+        return wire.encode(wire.ChatCompletionChunk(rid, created, model, [choice]))
+
+    def deltas(piece: Piece) -> list[str]:
+        out = []
+        if piece.reasoning:
+            out.append(chunk(wire.Delta(reasoning_content=piece.reasoning)))
+        if piece.content:
+            out.append(chunk(wire.Delta(content=piece.content)))
+        if piece.calls:
+            start = len(output.calls) - len(piece.calls)
+            calls = [
+                wire.ToolCallDelta(start + i, c.id, wire.FunctionCallOut(c.name, c.arguments))
+                for i, c in enumerate(piece.calls)
+            ]
+            out.append(chunk(wire.Delta(tool_calls=calls)))
+        return out
+
+    try:
+        yield chunk(wire.Delta(role="assistant", content=""))
+        event = first
+        while not isinstance(event, FinishEvent):
+            for text in deltas(output.feed(event.text)):
+                yield text
+            event = await anext(events)
+        for text in deltas(output.finish()):
+            yield text
+        yield chunk(wire.Delta(), finish_reason(event.reason, output.calls))
+        if include_usage:
+            yield wire.encode(wire.ChatCompletionChunk(rid, created, model, [], usage(event.usage)))
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

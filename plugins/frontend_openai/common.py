@@ -1,0 +1,132 @@
+"""What chat and completions share: the model check, the generation request, usage, and the
+stream's framing."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from litestar import Request
+from litestar.response import ServerSentEvent
+
+from ninfer_core.engine.request import FinishEvent, GenerationEvent, GenerationRequest
+from ninfer_core.engine.request import Usage as EngineUsage
+from ninfer_core.serve.errors import ApiError, invalid
+from ninfer_core.serve.limits import until_disconnect
+from ninfer_core.serve.state import ServeState
+from plugins.frontend_openai import wire
+from plugins.frontend_openai.errors import error_body
+
+MAX_STOPS = 16
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_model(state: ServeState, model: str) -> None:
+    if model != state.options.model_id:
+        raise ApiError(
+            404,
+            "not_found",
+            f"the model {model!r} does not exist; this server serves {state.options.model_id!r}",
+            param="model",
+        )
+
+
+def refuse(param: str, why: str) -> ApiError:
+    return invalid(f"{param}: {why}", param=param)
+
+
+def refuse_unsupported(data: wire.SamplingFields) -> None:
+    """Options this server cannot honour are refused rather than quietly ignored."""
+    if data.n not in (None, 1):
+        raise refuse("n", "only one choice per request is supported (n=1)")
+    if data.logit_bias:
+        raise refuse("logit_bias", "not supported by this server")
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise refuse("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    if any(not s for s in stops):
+        raise refuse("stop", "stop sequences must not be empty")
+    return stops
+
+
+def generation_request(
+    state: ServeState, data: wire.SamplingFields, prompt_ids: list[int], max_tokens: int | None
+) -> GenerationRequest:
+    """The engine request: sampling over the server's defaults, the budget within the
+    context, stops; every invalid value a 400 naming its field."""
+    stops = stop_strings(data.stop)
+    params = state.sampling(**{name: getattr(data, name) for name in SAMPLING})
+    budget = state.max_tokens(max_tokens, len(prompt_ids))
+    return GenerationRequest(
+        prompt_ids, params, max_tokens=budget, stop=stops, ignore_eos=data.ignore_eos
+    )
+
+
+def usage(u: EngineUsage) -> wire.Usage:
+    return wire.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=u.cached_tokens),
+    )
+
+
+async def collect(
+    events: AsyncIterator[GenerationEvent], feed: Callable[[str], Any]
+) -> FinishEvent:
+    """Run a generation to its end, handing each text delta to `feed`."""
+    async for event in events:
+        if isinstance(event, FinishEvent):
+            return event
+        feed(event.text)
+    raise RuntimeError("the generation ended without a finish event")
+
+
+async def first_event(request: Request, events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+    """Wait for a stream's first event before answering 200, so that an overload or a queue
+    timeout still gets its own status; a client leaving meanwhile cancels the request."""
+    try:
+        return await until_disconnect(request, anext(events))
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+def sse(chunks: AsyncIterator[str]) -> ServerSentEvent:
+    """OpenAI's framing: one JSON object per `data:` line, then `data: [DONE]`; an error after
+    the stream started goes out as an `{"error": ...}` object, which the SDK raises."""
+
+    async def framed() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ApiError as exc:
+            yield msgspec.json.encode(error_body(exc)).decode()
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        yield "[DONE]"
+
+    return ServerSentEvent(framed())

@@ -1,0 +1,230 @@
+"""OpenAI's wire types as msgspec Structs: what litestar validates bodies against and what the
+OpenAPI schema describes.
+
+Unknown fields are ignored, as OpenAI-compatible servers do (clients send `user`, `store`,
+`metadata`, ...). Fields this server cannot honour are declared, so that a request relying on
+them is refused with a message instead of being silently served differently (see
+`common.refuse_unsupported`). `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and
+`chat_template_kwargs` are the extensions vLLM made common.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+# -- requests ------------------------------------------------------------------------------
+
+
+class ContentPart(Struct):
+    """One part of a message's content; only `text` parts are understood."""
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Struct):
+    name: str
+    #: A JSON object, as text.
+    arguments: str = "{}"
+
+
+class ToolCallIn(Struct):
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    #: The reasoning of an earlier assistant turn, as this server returned it.
+    reasoning_content: str | None = None
+
+
+class FunctionDef(Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ResponseFormat(Struct):
+    type: str
+
+
+class SamplingFields(Struct, kw_only=True):
+    """What chat and completions requests share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    #: Text, token ids, or a list of one of either (msgspec takes one array-like per union).
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class AssistantMessage(Struct):
+    content: str | None
+    role: str = "assistant"
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ToolCallDelta(Struct):
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class Model(Struct):
+    id: str
+    created: int
+    owned_by: str = "ninfer"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[Model]
+    object: str = "list"
+
+
+def encode(value: Struct) -> str:
+    return msgspec.json.encode(value).decode()
