@@ -232,7 +232,12 @@ def load_state(
 def memory_plan(state: ServeState, loaded: LoadedModel, host: PluginHost) -> str:
     """The memory plan: weights, and the KV pool every sequence shares."""
     engine, cfg = state.engine, loaded.config
-    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    model = loaded.model
+    weights = (
+        model.weight_bytes()
+        if hasattr(model, "weight_bytes")
+        else sum(p.numel() * p.element_size() for p in model.parameters())
+    )
     codec = host.kv_codecs.get(engine.kv_codec)
     pages, page = engine.block_manager.num_blocks, engine.block_manager.block_size
     per_token = codec.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

@@ -50,6 +50,15 @@ class DenseDecoder(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold, packed copies included (they are not parameters)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    total += value.numel() * value.element_size()
+        return total
+
     def pack_weights(self) -> None:
         """Hand every projection to the backend's `pack_linear`, once, after loading.
 
