@@ -16,6 +16,7 @@ COMMANDS = {
     "probe": "ninfer_core.cli.probe_cmd",
     "plugins": "ninfer_core.cli.plugins_cmd",
     "plan": "ninfer_core.cli.plan_cmd",
+    "bench": "ninfer_core.cli.bench_cmd",
 }
 
 
