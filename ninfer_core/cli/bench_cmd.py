@@ -11,6 +11,8 @@ import json
 import sys
 
 from ninfer_core.bench.decode import DecodeBenchConfig
+from ninfer_core.bench.engine import EngineBenchConfig
+from ninfer_core.bench.kv import KVBenchConfig
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.errors import NInferError
 
@@ -40,6 +42,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("model", nargs="?", help="model folder (default: the benchmark checkpoint)")
     add_config_arguments(d, DecodeBenchConfig)
     d.set_defaults(run=run)
+    e = benches.add_parser(
+        "engine",
+        help="C1/C2 time to first token, decode during a prefill, agent turns with the cache",
+        description="Scripted workloads through the engine in process (docs/engine.md), each "
+        "against its baseline in the same run.",
+    )
+    e.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    e.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
+    add_config_arguments(e, EngineBenchConfig)
+    e.set_defaults(run=run_engine)
+    k = benches.add_parser(
+        "kv",
+        help="decode tok/s over long cached contexts per KV codec, against fp16",
+        description="Decode tok/s at each context per KV codec, the cache filled directly "
+        "with random keys and values, against fp16 in the same run.",
+    )
+    k.add_argument("model", nargs="?", help="model folder (default: the benchmark checkpoint)")
+    k.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
+    add_config_arguments(k, KVBenchConfig)
+    k.set_defaults(run=run_kv)
 
 
 def table(result: dict) -> str:
@@ -96,4 +119,73 @@ def run(ns: argparse.Namespace) -> int:
             "\nwarning: a timed run got under 90% of its threads' CPU time; other processes "
             "were running and its figures are low. Rerun on a quiet machine."
         )
+    return 0
+
+
+def _load(model: str | None, default, dtype: str):
+    from ninfer_core.config import RuntimeConfig
+    from ninfer_core.device import probe_device
+    from ninfer_core.loading import load_model
+    from ninfer_core.plugin_host import create_host
+
+    host, device = create_host(), probe_device()
+    path = model or str(default())
+    return (
+        load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype=dtype)),
+        host,
+        device,
+    )
+
+
+def run_engine(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.engine import bench_agent, bench_concurrency
+    from ninfer_core.builtin_model import ensure_builtin_model
+
+    cfg = config_from_args(EngineBenchConfig, ns)
+    loaded, host, device = _load(ns.model, ensure_builtin_model, ns.dtype)
+    result = {"model": str(loaded.path), **bench_concurrency(loaded, host, device, cfg)}
+    result |= bench_agent(loaded, host, device, cfg)
+    if ns.as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    r = result
+    print(f"model: {r['model']}, prompts {cfg.prompt_tokens} tokens, chunk {cfg.prefill_chunk}")
+    print("| measure | value | baseline | ratio |\n| --- | --- | --- | --- |")
+    rows = [
+        ("C1 TTFT (s)", r["c1_ttft_s"], None),
+        ("C1 prefill tok/s", r["c1_prefill_tok_s"], None),
+        ("C1 decode tok/s", r["c1_decode_tok_s"], None),
+        ("C2 second TTFT vs first prefill + own (s)", r["c2_second_ttft_s"],
+         r["c2_serial_ttft_s"]),
+        ("decode tok/s while another prompt prefills vs alone",
+         r["decode_during_prefill_tok_s"], r["decode_alone_tok_s"]),
+        (f"turn {cfg.turns} TTFT with prefix cache vs without (s)",
+         r["turn_ttft_s_cache"][-1], r["turn_ttft_s_no_cache"][-1]),
+    ]  # fmt: skip
+    for name, value, base in rows:
+        ratio = f"{value / base:.2f}" if base else "-"
+        base_text = f"{base:.3f}" if base is not None else "-"
+        print(f"| {name} | {value:.3f} | {base_text} | {ratio} |")
+    print(f"cached tokens per turn: {r['cached_tokens_cache']}")
+    return 0
+
+
+def run_kv(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.checkpoint import ensure_checkpoint
+    from ninfer_core.bench.kv import bench_kv
+
+    cfg = config_from_args(KVBenchConfig, ns)
+    loaded, host, device = _load(ns.model, ensure_checkpoint, "bf16")
+    rows = bench_kv(loaded, host, device, cfg)
+    if ns.as_json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"model: {loaded.path} (bf16), {cfg.steps} timed decode steps per point")
+    print("| context | codec | decode tok/s | vs fp16 | KV bytes/token |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['context']} | {r['codec']} | {r['decode_tok_s']:.2f} | "
+              f"{r['vs_fp16']:.2f} | {r['bytes_per_token']} |")  # fmt: skip
     return 0
