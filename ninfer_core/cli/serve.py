@@ -24,9 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ninfer_core.cli.args import add_config_arguments, config_from_args
+from ninfer_core.cli.plan_cmd import make_plan
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.errors import NInferError
+from ninfer_core.memory.planner import MemoryConfig
+from ninfer_core.memory.table import render_table
 from ninfer_core.serve.config import ServeConfig
 
 if TYPE_CHECKING:
@@ -39,11 +42,6 @@ log = logging.getLogger("ninfer.serve")
 RUNTIME_SKIP = ("block_size", "max_context", "device_spec")
 
 
-def kv_capacity(value: str) -> int:
-    """`--kv-capacity auto` is 0: one full context (sizing by free memory is to come)."""
-    return 0 if value == "auto" else int(value)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ninfer-serve", description="Serve one model over the OpenAI (and Anthropic) API."
@@ -51,12 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
     p.add_argument("-v", "--verbose", action="store_true", help="log plugin loading and requests")
     add_config_arguments(p, ServeConfig)
-    add_config_arguments(p, EngineConfig)
+    # `--kv-capacity N|auto` is the memory planner's (MemoryConfig), which sizes the pool.
+    add_config_arguments(p, EngineConfig, skip=("kv_capacity",))
     add_config_arguments(p, RuntimeConfig, skip=RUNTIME_SKIP)
-    for action in p._actions:
-        if action.dest == "kv_capacity":
-            action.type = kv_capacity
-            action.help = "KV pool size in tokens; auto or 0: one full --max-context"
+    add_config_arguments(p, MemoryConfig)
     return p
 
 
@@ -69,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve = config_from_args(ServeConfig, ns)
         serve.check_speculation()
-        engine = config_from_args(EngineConfig, ns)
+        # --kv-capacity is the planner's (it may be `auto`); the engine gets the planned size.
+        shared = {k: v for k, v in vars(ns).items() if k != "kv_capacity"}
+        engine = config_from_args(EngineConfig, argparse.Namespace(**shared))
         runtime = config_from_args(RuntimeConfig, ns)
     except (ValueError, NInferError) as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
@@ -78,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         runtime, block_size=engine.block_size, max_context=engine.max_context
     )
     try:
+        # The plan comes first, from the artifact's headers: an impossible --kv-capacity or
+        # a refused --kv-dtype fails here, before anything is loaded or served.
+        plan, about = make_plan(ns)
+        print(f"memory plan for {about['model']} on {plan.memory.device}")
+        print(render_table(plan), flush=True)
+        engine = dataclasses.replace(engine, kv_capacity=plan.pool_tokens)
         return run(ns.model, serve, engine, runtime)
     except NInferError as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
