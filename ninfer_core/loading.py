@@ -65,20 +65,24 @@ def open_artifact(host: PluginHost, path: str | Path) -> Any:
     raise ModelLoadError(f"{path}: no artifact reader recognises it; readers: {readers}")
 
 
-def load_model(
-    path: str | Path, *, host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig
-) -> LoadedModel:
-    start = time.perf_counter()
-    artifact = open_artifact(host, path)
-    raw = artifact.config
-    archs = raw.get("architectures") or []
+def family_and_config(host: PluginHost, artifact: Any) -> tuple[Any, ModelConfig]:
+    """The model family that builds the artifact's architecture, and its parsed config."""
+    archs = artifact.config.get("architectures") or []
     if not archs:
         raise ModelLoadError(f"{artifact.path / 'config.json'}: no 'architectures' entry")
     try:
         family = host.family_for(archs[0])
     except UnknownNameError as exc:
         raise ModelLoadError(f"{artifact.path / 'config.json'}: {exc}") from None
-    config = family.parse_config(raw)
+    return family, family.parse_config(artifact.config)
+
+
+def load_model(
+    path: str | Path, *, host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig
+) -> LoadedModel:
+    start = time.perf_counter()
+    artifact = open_artifact(host, path)
+    family, config = family_and_config(host, artifact)
     backend_report = choose(host, "kernel_backends", device, runtime.gemm_backend)
     if backend_report.chosen is None:
         raise ModelLoadError("no kernel backend supports this device (see `ninfer probe`)")

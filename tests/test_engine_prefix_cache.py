@@ -13,23 +13,20 @@ import time
 
 import pytest
 import torch
-from checkpoints import write_tiny_qwen3
-from text_fixtures import write_model_dir
 
-from ninfer_core.config import RuntimeConfig
-from ninfer_core.device import probe_device
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.prefix_cache import chain_hashes
 from ninfer_core.engine.request import FinishEvent, GenerationRequest, OverloadedError
 from ninfer_core.engine.sequence import Sequence
-from ninfer_core.loading import load_model
-from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -137,23 +134,9 @@ def test_check_invariants_catches_a_double_free_and_a_leak():
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny GEMMs: a second intra-op thread only adds spin-waits (40x slower on a busy box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine-model")
-    write_tiny_qwen3(path, vocab_size=400, num_hidden_layers=2, max_position_embeddings=1024)
-    write_model_dir(path)
-    host, device = create_host(), probe_device(use_cuda=False)
-    loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="fp32"))
-    return loaded, host, device
+def model(engine_model):
+    return engine_model
 
 
 @pytest.fixture

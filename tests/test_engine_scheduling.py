@@ -11,11 +11,7 @@ import asyncio
 
 import pytest
 import torch
-from checkpoints import write_tiny_qwen3
-from text_fixtures import write_model_dir
 
-from ninfer_core.config import RuntimeConfig
-from ninfer_core.device import probe_device
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.request import (
@@ -27,11 +23,12 @@ from ninfer_core.engine.request import (
     TokenEvent,
 )
 from ninfer_core.engine.scheduler import MIN_PENDING_TIMEOUT_S, PENDING_TIMEOUT_FACTOR, StepCosts
-from ninfer_core.loading import load_model
-from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class FakeClock:
@@ -42,24 +39,9 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny GEMMs: a second intra-op thread only adds spin-waits (40x slower on a busy box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """(loaded model, host, device), shared by every engine of the module."""
-    path = tmp_path_factory.mktemp("engine-model")
-    write_tiny_qwen3(path, vocab_size=400, num_hidden_layers=2, max_position_embeddings=1024)
-    write_model_dir(path)
-    host, device = create_host(), probe_device(use_cuda=False)
-    loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="fp32"))
-    return loaded, host, device
+def model(engine_model):
+    return engine_model
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import httpx
 import msgspec
 import openai
 import pytest
-import torch
 from litestar import post
 from litestar.params import JSONBody
 from serve_fixtures import MODEL_ID, make_state, write_serve_model
@@ -40,6 +39,9 @@ from ninfer_core.support import Support
 KEY = "s3cret"
 LIMIT_MIB = 0.05  # ~52 KB: small enough to test, large enough for every honest request here
 ROOT = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- a second frontend, to see each path answered in its owner's shape --------------------
@@ -84,14 +86,6 @@ def frontends_host(*, messages_like: bool = False):
     if messages_like:
         plugins.append(("messages-like", MessagesLikePlugin))
     return create_host(load_entry_points=False, extra_plugins=plugins)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

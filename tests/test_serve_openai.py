@@ -14,7 +14,6 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 from serve_fixtures import MODEL_ID, make_state, write_serve_model
 from text_fixtures import WEATHER_TOOL
 
@@ -40,6 +39,9 @@ SCRIPTS = {
     "think first": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
     "count please": "one two three STOP four five",
 }
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class ScriptedSampler:
@@ -75,15 +77,6 @@ def openai_host():
     if "openai" not in host.frontends:  # not yet an entry point of the installed package
         host = create_host(extra_plugins=[("frontend-openai", frontend_openai)])
     return host
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny GEMMs: a second intra-op thread only adds spin-waits on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.config import EngineConfig
-from ninfer_core.errors import ModelLoadError, NInferError, UnknownNameError
+from ninfer_core.errors import NInferError
 from ninfer_core.memory.planner import (
     MemoryConfig,
     MemoryPlan,
@@ -47,17 +47,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _model_config(host: PluginHost, artifact: Any):
-    archs = artifact.config.get("architectures") or []
-    if not archs:
-        raise ModelLoadError(f"{artifact.path / 'config.json'}: no 'architectures' entry")
-    try:
-        family = host.family_for(archs[0])
-    except UnknownNameError as exc:
-        raise ModelLoadError(f"{artifact.path / 'config.json'}: {exc}") from None
-    return family.parse_config(artifact.config)
-
-
 def _packs_head_copy(host: PluginHost, device: DeviceInfo, backend: str, dtype) -> bool:
     """Whether the kernel backend would pack a tied head as a second matrix.
 
@@ -80,7 +69,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     """The plan for the parsed options, and what it was made for (model, device)."""
     from ninfer_core.builtin_model import ensure_builtin_model
     from ninfer_core.device import probe_device, simulated_device
-    from ninfer_core.loading import DTYPES, compute_dtype, open_artifact
+    from ninfer_core.loading import DTYPES, compute_dtype, family_and_config, open_artifact
     from ninfer_core.plugin_host import create_host
     from ninfer_core.selection import choose
 
@@ -101,7 +90,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     codec = host.kv_codecs.get(codec_name)
     path = ns.model or str(ensure_builtin_model())
     artifact = open_artifact(host, path)
-    config = _model_config(host, artifact)
+    _, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
     head_copy = config.tie_word_embeddings and _packs_head_copy(
         host, device, runtime.gemm_backend, dtype

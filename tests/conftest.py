@@ -1,0 +1,34 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import write_tiny_qwen3
+from text_fixtures import write_model_dir
+
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import probe_device
+from ninfer_core.loading import load_model
+from ninfer_core.plugin_host import create_host
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny GEMMs: a second intra-op thread only adds spin-waits (40x slower on a busy box).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    """(loaded model, host, device): a 2-layer fp32 Qwen3 for engine tests."""
+    path = tmp_path_factory.mktemp("engine-model")
+    write_tiny_qwen3(path, vocab_size=400, num_hidden_layers=2, max_position_embeddings=1024)
+    write_model_dir(path)
+    host, device = create_host(), probe_device(use_cuda=False)
+    loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="fp32"))
+    return loaded, host, device
