@@ -139,3 +139,17 @@ def test_importing_the_core_touches_no_gpu_stack():
 def test_every_device_spec_has_a_name():
     for key, cuda in DEVICE_SPECS.items():
         assert key == "cpu" or cuda.name
+
+
+def test_probe_with_a_model_shows_kv_bytes_per_token(tmp_path, capsys):
+    from checkpoints import write_tiny_qwen3
+
+    write_tiny_qwen3(tmp_path)  # 3 layers, 2 KV heads of 16
+    assert main(["probe", str(tmp_path), "--json"]) == 0
+    sizes = json.loads(capsys.readouterr().out)["kv_bytes_per_token"]
+    values = 3 * 2 * 16  # per token, for K (and again for V)
+    assert sizes["fp16"] == 2 * values * 2
+    assert sizes["fp32"] == 2 * values * 4
+    assert sizes["int8"] == 2 * (values + 3 * 2 * 2)  # one fp16 scale per head vector of 16
+    assert main(["probe", str(tmp_path), "--device-spec", "rtx3090"]) == 0
+    assert f"{2 * values * 2} B/token" in capsys.readouterr().out

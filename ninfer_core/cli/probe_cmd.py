@@ -14,6 +14,9 @@ from ninfer_core.selection import probe
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("probe", help="show the hardware and which plugins it gets, and why")
     p.add_argument(
+        "model", nargs="?", help="model folder: also show each KV codec's bytes per token for it"
+    )
+    p.add_argument(
         "--device-spec",
         metavar="NAME",
         help=f"simulate a device: {', '.join(DEVICE_SPECS)}",
@@ -29,6 +32,7 @@ def run(ns: argparse.Namespace) -> int:
     device = simulated_device(ns.device_spec) if ns.device_spec else probe_device()
     host = create_host()
     reports = probe(host, device, gemm_backend=ns.gemm_backend, kv_dtype=ns.kv_dtype, spec=ns.spec)
+    kv_bytes = _kv_bytes_per_token(host, ns.model) if ns.model else {}
     failures = [{"plugin": f.plugin, "distribution": f.distribution, "reason": f.reason}
                 for f in host.failures]  # fmt: skip
     if ns.json:
@@ -37,6 +41,8 @@ def run(ns: argparse.Namespace) -> int:
             "extension_points": [r.to_json() for r in reports],
             "plugin_failures": failures,
         }
+        if kv_bytes:
+            out["kv_bytes_per_token"] = kv_bytes
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -48,7 +54,19 @@ def run(ns: argparse.Namespace) -> int:
             print("  (none installed)")
         for c in report.candidates:
             reason = f": {c.reason}" if c.reason else ""
-            print(f"  {c.status:<10} {c.name:<16} [{c.distribution}]{reason}")
+            size = f" {kv_bytes[c.name]} B/token" if c.name in kv_bytes else ""
+            print(f"  {c.status:<10} {c.name:<16} [{c.distribution}]{size}{reason}")
     for f in failures:
         print(f"\nplugin {f['plugin']} ({f['distribution']}) not loaded: {f['reason']}")
     return 0
+
+
+def _kv_bytes_per_token(host, model: str) -> dict[str, int]:
+    """Each KV codec's bytes per token for the model's shapes (headers only, no weights)."""
+    from ninfer_core.loading import family_and_config, open_artifact
+
+    _, cfg = family_and_config(host, open_artifact(host, model))
+    return {
+        e.name: e.obj.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        for e in host.kv_codecs.entries()
+    }
