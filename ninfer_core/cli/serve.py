@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -82,10 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory plan for {about['model']} on {plan.memory.device}")
         print(render_table(plan), flush=True)
         engine = dataclasses.replace(engine, kv_capacity=plan.pool_tokens)
-        return run(ns.model, serve, engine, runtime)
+        code = run(ns.model, serve, engine, runtime)
     except NInferError as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
         return 1
+    # The server and the engine have shut down. Leave without interpreter teardown: torch's
+    # native thread pools can abort a process that tears down after a cancelled shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: RuntimeConfig) -> int:
