@@ -20,7 +20,7 @@ from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.engine.sequence import Sequence as Seq
 from ninfer_core.errors import NInferError
-from ninfer_core.kv import AUTO_KV_CODEC
+from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
@@ -87,7 +87,7 @@ class Session:
             self.defaults, artifact.config, self.tokenizer.eos_token_id
         )
         cfg = loaded.config
-        kv_name = runtime.kv_dtype if runtime.kv_dtype != "auto" else AUTO_KV_CODEC[loaded.dtype]
+        kv_name = kv_codec_name(runtime.kv_dtype, loaded.dtype)
         self.kv_codec = choose(host, "kv_codecs", device, kv_name).chosen
         self.max_context = min(runtime.max_context, cfg.max_position_embeddings)
         num_blocks = math.ceil(self.max_context / runtime.block_size)
@@ -115,13 +115,7 @@ class Session:
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """The model's generation_config defaults, with the request's own values on top."""
-        d = self.defaults
-        values: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(d, name) is not None:
-                values[name] = getattr(d, name)
-        if d.do_sample is False:
-            values["temperature"] = 0.0
+        values = self.defaults.sampling_values()
         values.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**values)
 

@@ -134,14 +134,9 @@ def test_check_invariants_catches_a_double_free_and_a_leak():
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model(engine_model):
-    return engine_model
-
-
 @pytest.fixture
-def make_engine(model):
-    loaded, host, device = model
+def make_engine(engine_model):
+    loaded, host, device = engine_model
 
     def make(**config) -> Engine:
         config = {"kv_capacity": 1024, "block_size": BLOCK, **config}

@@ -39,14 +39,9 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(scope="module")
-def model(engine_model):
-    return engine_model
-
-
 @pytest.fixture
-def make_engine(model):
-    loaded, host, device = model
+def make_engine(engine_model):
+    loaded, host, device = engine_model
 
     def make(clock=None, **config) -> Engine:
         config = {"kv_capacity": 1024, **config}

@@ -186,12 +186,12 @@ def default_model_id(model: str | None) -> str:
 def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) -> None:
     """The device and what each extension point chose on it, as `ninfer probe` says it;
     a refused `--kv-dtype` or `--gemm-backend` fails here, with the alternatives."""
-    from ninfer_core.kv import AUTO_KV_CODEC
+    from ninfer_core.kv import kv_codec_name
     from ninfer_core.loading import compute_dtype
     from ninfer_core.selection import probe
 
     kv = runtime.kv_dtype  # `auto` is the compute dtype's codec, as the engine will pick it
-    kv = AUTO_KV_CODEC[compute_dtype(runtime.dtype, device)] if kv == "auto" else kv
+    kv = kv_codec_name(kv, compute_dtype(runtime.dtype, device))
     print(device.describe())
     for report in probe(host, device, gemm_backend=runtime.gemm_backend, kv_dtype=kv):
         names = [c.name for c in report.candidates if c.status in ("chosen", "available")]

@@ -46,7 +46,7 @@ from ninfer_core.engine.request import (
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
 from ninfer_core.engine.stats import EngineCounters, StepOutcome
-from ninfer_core.kv import AUTO_KV_CODEC
+from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
@@ -77,12 +77,8 @@ class Engine(StepThread):
         self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
         self.max_context = min(config.max_context, model_cfg.max_position_embeddings)
         self.vocab_size = model_cfg.vocab_size
-        self.kv_codec = choose(
-            host,
-            "kv_codecs",
-            device,
-            AUTO_KV_CODEC[loaded.dtype] if kv_dtype == "auto" else kv_dtype,
-        ).chosen
+        wanted = kv_codec_name(kv_dtype, loaded.dtype)
+        self.kv_codec = choose(host, "kv_codecs", device, wanted).chosen
         layout = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                           config.block_size, config.num_blocks)  # fmt: skip
         codec = host.kv_codecs.get(self.kv_codec)

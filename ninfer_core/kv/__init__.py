@@ -25,4 +25,10 @@ from ninfer_core.kv.quantized import QuantizedKVStore
 #: KV codec for `--kv-dtype auto` once the model is loaded: keep its own precision.
 AUTO_KV_CODEC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+
+def kv_codec_name(kv_dtype: str, compute_dtype: torch.dtype) -> str:
+    """The codec `--kv-dtype` names; `auto` keeps the model's compute precision."""
+    return AUTO_KV_CODEC[compute_dtype] if kv_dtype == "auto" else kv_dtype
+
+
 __all__ = ["AUTO_KV_CODEC", "KVLayout", "PlainKVStore", "QuantizedKVStore"]

@@ -17,6 +17,7 @@ from ninfer_core.engine.request import EngineError, GenerationEvent, GenerationR
 from ninfer_core.sampling import SamplingParams
 from ninfer_core.serve.errors import ApiError, from_engine_error, invalid
 from ninfer_core.text import ChatTemplate, ChatTemplateError, GenerationDefaults, Tokenizer
+from ninfer_core.text.generation_config import SAMPLING_FIELDS
 
 
 @dataclass
@@ -65,14 +66,8 @@ class ServeState:
 
     def sampling(self, **given: Any) -> SamplingParams:
         """The request's values over the server's defaults over the model's; 400 if invalid."""
-        values: dict[str, Any] = {}
-        d = self.defaults
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(d, name) is not None:
-                values[name] = getattr(d, name)
-        if d.do_sample is False:
-            values["temperature"] = 0.0
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        values = self.defaults.sampling_values()
+        for name in SAMPLING_FIELDS:
             if getattr(self.options, name) is not None:
                 values[name] = getattr(self.options, name)
         values.update({k: v for k, v in given.items() if v is not None})

@@ -34,6 +34,10 @@ def token_ids(value: Any) -> tuple[int, ...]:
     raise ValueError(f"expected a token id or a list of them, got {value!r}")
 
 
+#: The fields a request's sampling settings override, in `SamplingParams` spelling.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
     """What `generation_config.json` says; None where it says nothing."""
@@ -71,6 +75,14 @@ class GenerationDefaults:
             if name in _INT_FIELDS:
                 fields[name] = int(value)
         return cls(**fields)
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The sampling fields the model's authors set, as `SamplingParams` keywords;
+        `do_sample: false` means greedy unless a request says otherwise."""
+        values = {n: getattr(self, n) for n in SAMPLING_FIELDS if getattr(self, n) is not None}
+        if self.do_sample is False:
+            values["temperature"] = 0.0
+        return values
 
     @classmethod
     def from_artifact(cls, artifact: Artifact) -> GenerationDefaults:
