@@ -37,3 +37,7 @@ class ModelLoadError(NInferError):
 
 class UnsupportedChoiceError(NInferError):
     """A configured plugin cannot run on this device; the message names the alternatives."""
+
+
+class ArtifactError(ModelLoadError):
+    """A `.ninfer` container is malformed, truncated, corrupt or of an unknown version."""

@@ -1,0 +1,98 @@
+"""The weight formats a `.ninfer` file may store, and how many bytes each takes.
+
+Dense formats store the tensor as it is (little-endian, row-major). Quantized formats
+are symmetric signed group codes over the last dimension of a 2-D `[rows, cols]`
+tensor: each row is cut into groups of `group` columns (the last group zero-padded
+when `cols` is not a multiple), each group has one fp16 scale, and
+
+    weight ≈ code * scale,   code in [-2^(bits-1), 2^(bits-1) - 1]
+
+The stored object is the code block followed by the scale block:
+
+- codes: rows × padded_cols codes, row-major, each row a little-endian bit stream in
+  which code `i` occupies bits `[i*bits, (i+1)*bits)`, stored offset-binary
+  (`code + 2^(bits-1)`, so 0 .. 2^bits - 1). For 8 bits that is one byte per code;
+  for 4 bits two codes per byte, low nibble first.
+- scales: rows × groups fp16 values, row-major, little-endian.
+
+`padded_cols` is `cols` rounded up to the group; both blocks' sizes are whole bytes
+because every group size here is a multiple of 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_core.errors import UnknownNameError
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """One storage format: a dense dtype, or `bits`-bit codes with a scale per `group`."""
+
+    name: str
+    bits: int
+    group: int = 0  # 0: dense
+    dtype: torch.dtype | None = None  # dense formats only
+
+    @property
+    def quantized(self) -> bool:
+        return self.group > 0
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def padded_cols(self, cols: int) -> int:
+        return -(-cols // self.group) * self.group
+
+    def code_bytes(self, shape: tuple[int, ...]) -> int:
+        rows, cols = _matrix(self, shape)
+        return rows * self.padded_cols(cols) * self.bits // 8
+
+    def scale_bytes(self, shape: tuple[int, ...]) -> int:
+        rows, cols = _matrix(self, shape)
+        return rows * (self.padded_cols(cols) // self.group) * 2
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of one stored tensor of this format and logical `shape`."""
+        if not self.quantized:
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            return numel * self.bits // 8
+        return self.code_bytes(shape) + self.scale_bytes(shape)
+
+
+def _matrix(fmt: WeightFormat, shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"{fmt.name} stores 2-D [rows, cols] tensors, not shape {list(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
+FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("fp32", 32, dtype=torch.float32),
+        WeightFormat("fp16", 16, dtype=torch.float16),
+        WeightFormat("bf16", 16, dtype=torch.bfloat16),
+        WeightFormat("Q4G64", 4, 64),
+        WeightFormat("Q5G64", 5, 64),
+        WeightFormat("Q6G64", 6, 64),
+        WeightFormat("W8G32", 8, 32),
+    )
+}
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The format called `name`; an unknown name lists the known ones."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise UnknownNameError("weight format", name, FORMATS) from None
