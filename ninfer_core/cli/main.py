@@ -17,6 +17,8 @@ COMMANDS = {
     "plugins": "ninfer_core.cli.plugins_cmd",
     "plan": "ninfer_core.cli.plan_cmd",
     "bench": "ninfer_core.cli.bench_cmd",
+    "pull": "ninfer_core.cli.pull_cmd",
+    "inspect": "ninfer_core.cli.inspect_cmd",
 }
 
 
