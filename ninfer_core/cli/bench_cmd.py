@@ -13,6 +13,7 @@ import sys
 from ninfer_core.bench.decode import DecodeBenchConfig
 from ninfer_core.bench.engine import EngineBenchConfig
 from ninfer_core.bench.kv import KVBenchConfig
+from ninfer_core.bench.serve import ServeBenchConfig
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.errors import NInferError
 
@@ -63,6 +64,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
     add_config_arguments(k, KVBenchConfig)
     k.set_defaults(run=run_kv)
+    s = benches.add_parser(
+        "serve",
+        help="TTFT and tok/s of an OpenAI-compatible server (NInfer, vLLM, llama.cpp) at C1, C2",
+        description="Streaming requests to URL/v1/chat/completions (or /v1/completions) at each "
+        "concurrency level: TTFT p50/p90, decode tok/s per stream, aggregate tok/s, errors.",
+    )
+    s.add_argument("url", help="the server, e.g. http://127.0.0.1:18020")
+    s.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
+    add_config_arguments(s, ServeBenchConfig)
+    s.set_defaults(run=run_serve)
 
 
 def table(result: dict) -> str:
@@ -188,4 +199,23 @@ def run_kv(ns: argparse.Namespace) -> int:
     for r in rows:
         print(f"| {r['context']} | {r['codec']} | {r['decode_tok_s']:.2f} | "
               f"{r['vs_fp16']:.2f} | {r['bytes_per_token']} |")  # fmt: skip
+    return 0
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.serve import run_serve_bench, table
+
+    cfg = config_from_args(ServeBenchConfig, ns)
+    result = run_serve_bench(ns.url, cfg)
+    if ns.as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"{result['url']} model {result['model']} ({result['api']}), prompt ~{cfg.prompt_tokens} "
+          f"tokens ({result['prompt_words']} words), {cfg.max_tokens} new, "
+          f"{cfg.requests} requests per level")  # fmt: skip
+    print(table(result))
+    for r in result["levels"]:
+        if r["first_error"]:
+            print(f"C{r['concurrency']}: first error: {r['first_error']}")
     return 0

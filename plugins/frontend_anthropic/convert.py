@@ -5,6 +5,8 @@ templates (Qwen's among them) expect OpenAI-style messages: an assistant turn wi
 `tool_calls`, and one `role: "tool"` message per result. Thinking blocks become
 `reasoning_content`, which templates render back into the model's own `<think>` form.
 A final assistant turn is a prefill: the prompt ends inside it and the model continues.
+A forced `tool_choice` (`any`, `tool`) ends the prompt with the opening of the model's call
+form (`ninfer_core.text.tool_choice`), so counted tokens include it too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text import ChatTemplateError
-from ninfer_core.text.reasoning import THINK_CLOSE, THINK_OPEN
+from ninfer_core.text.tool_choice import ForcedCall, call_opening, ends_in_thinking, with_opening
 from plugins.frontend_anthropic import wire
 
 
@@ -29,6 +31,8 @@ class Prompt:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The last message is the assistant's own start; the model continues it.
     prefill: bool = False
+    #: The call `tool_choice` `any` or `tool` forces.
+    forced: ForcedCall | None = None
 
 
 def _text_of(blocks: list[Any], where: str) -> str:
@@ -167,11 +171,28 @@ def to_prompt(request: wire.PromptFields) -> Prompt:
     kwargs = {}
     if request.thinking is not None:
         kwargs["enable_thinking"] = not isinstance(request.thinking, wire.ThinkingDisabled)
-    return Prompt(messages, _tools(request), kwargs, prefill)
+    choice = request.tool_choice
+    forced = None
+    if isinstance(choice, wire.ToolChoiceAny):
+        forced = ForcedCall()
+    elif isinstance(choice, wire.ToolChoiceTool):
+        forced = ForcedCall(choice.name)
+    return Prompt(messages, _tools(request), kwargs, prefill, forced)
+
+
+def opening(state: ServeState, prompt: Prompt) -> str:
+    """The start of a forced call, which the prompt ends with and the answer's parser reads
+    first ("" when nothing is forced or the template's call form is unknown)."""
+    return call_opening(state.template, prompt.forced)
 
 
 def render(state: ServeState, prompt: Prompt) -> list[int]:
-    """Prompt token ids; a prefill is rendered open, so the model continues its text."""
+    """Prompt token ids; a prefill is rendered open, so the model continues its text; a
+    forced call's opening comes last."""
+    return with_opening(state.tokenizer, _render(state, prompt), opening(state, prompt))
+
+
+def _render(state: ServeState, prompt: Prompt) -> list[int]:
     if not prompt.prefill:
         return state.render(prompt.messages, prompt.tools, **prompt.template_kwargs)
     if state.template is None:
@@ -190,5 +211,4 @@ def render(state: ServeState, prompt: Prompt) -> list[int]:
 
 def opens_thinking(state: ServeState, prompt_ids: list[int]) -> bool:
     """Whether the prompt itself ends inside `<think>` (templates that open it for the model)."""
-    tail = state.tokenizer.decode(prompt_ids[-32:])
-    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+    return ends_in_thinking(state.tokenizer.decode(prompt_ids[-32:]))

@@ -48,11 +48,15 @@ class Plan:
     stop_sequences: tuple[str, ...]
     #: max_tokens was cut to the room the context had left.
     clamped: bool = False
+    #: The prefilled start of a forced tool call, read before the model's text.
+    opening: str = ""
 
     def assembler(self) -> BlockAssembler:
-        return BlockAssembler(
+        blocks = BlockAssembler(
             self.tools, parse_tools=self.tools is not None, thinking_open=self.thinking_open
         )
+        blocks.feed(self.opening)  # an open <tool_call>: held, no event yet
+        return blocks
 
 
 async def plan(ctx: Context, data: MessagesRequest) -> Plan:
@@ -76,7 +80,8 @@ async def plan(ctx: Context, data: MessagesRequest) -> Plan:
     )
     thinking_open = convert.opens_thinking(state, ids)
     clamped = budget < data.max_tokens
-    return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped)
+    opening = convert.opening(state, prompt)
+    return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped, opening)
 
 
 def usage(u: Usage) -> dict[str, int]:

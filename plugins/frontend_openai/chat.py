@@ -1,9 +1,11 @@
 """`POST /v1/chat/completions`: a conversation in, an assistant message (or its stream) out.
 
 The conversation goes through the model's chat template (tools included), the answer through
-`ChatOutput` (reasoning, content, tool calls). Streaming sends the role first, then one chunk
-per piece of text or finished tool call, then the finish reason and, when asked for
-(`stream_options.include_usage`), a last chunk with the usage.
+`ChatOutput` (reasoning, content, tool calls). A forced `tool_choice` ("required", a named
+function) prefills the answer with the opening of the model's call form: the prompt ends
+with it and `ChatOutput` reads it first, so the call parses whole. Streaming sends the role
+first, then one chunk per piece of text or finished tool call, then the finish reason and,
+when asked for (`stream_options.include_usage`), a last chunk with the usage.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ninfer_core.engine.request import FinishEvent, GenerationEvent
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text.tool_calls import ToolCall
+from ninfer_core.text.tool_choice import call_opening, with_opening
 from plugins.frontend_openai import wire
 from plugins.frontend_openai.common import (
     check_model,
@@ -31,7 +34,12 @@ from plugins.frontend_openai.common import (
     sse,
     usage,
 )
-from plugins.frontend_openai.conversation import template_kwargs, template_messages, template_tools
+from plugins.frontend_openai.conversation import (
+    forced_call,
+    template_kwargs,
+    template_messages,
+    template_tools,
+)
 from plugins.frontend_openai.output import ChatOutput, Piece
 
 
@@ -76,6 +84,8 @@ def route_handlers(state: ServeState) -> list:
         messages = template_messages(data.messages)
         tools, parse_tools = template_tools(data)
         prompt = state.render(messages, tools, **template_kwargs(data))
+        opening = call_opening(state.template, forced_call(data))
+        prompt = with_opening(state.tokenizer, prompt, opening)
         budget = (
             data.max_completion_tokens
             if data.max_completion_tokens is not None
@@ -85,6 +95,7 @@ def route_handlers(state: ServeState) -> list:
         output = ChatOutput(
             tools if parse_tools else None, thinking_open=thinking_open(state, prompt)
         )
+        output.feed(opening)  # the prefilled start of a forced call: held, nothing to send
         events = state.generate(gen)
         rid, created = new_id("chatcmpl"), now()
         if data.stream:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ninfer_core.text.tool_choice import ForcedCall
 from plugins.frontend_openai import wire
 from plugins.frontend_openai.common import refuse
 
@@ -89,8 +90,8 @@ def template_tools(data: wire.ChatCompletionRequest) -> tuple[list[dict] | None,
     """(the tools to render, whether to parse tool calls out of the answer).
 
     `tool_choice` "none" still shows the tools (the conversation may refer to them) but
-    nothing is parsed; a named choice shows only that tool. Decoding is not constrained, so
-    "required" and a named choice ask the model rather than force it.
+    nothing is parsed; a named choice shows only that tool. "required" and a named choice
+    are forced by a prefill (`forced_call`, `ninfer_core.text.tool_choice`).
     """
     if not data.tools:
         if isinstance(data.tool_choice, wire.NamedToolChoice) or data.tool_choice == "required":
@@ -110,6 +111,13 @@ def template_tools(data: wire.ChatCompletionRequest) -> tuple[list[dict] | None,
         fn["parameters"] = t.function.parameters or {"type": "object", "properties": {}}
         schemas.append({"type": "function", "function": fn})
     return schemas, data.tool_choice != "none"
+
+
+def forced_call(data: wire.ChatCompletionRequest) -> ForcedCall | None:
+    """The call "required" or a named choice forces (checked by `template_tools`)."""
+    if isinstance(data.tool_choice, wire.NamedToolChoice):
+        return ForcedCall(data.tool_choice.function.name)
+    return ForcedCall() if data.tool_choice == "required" and data.tools else None
 
 
 def template_kwargs(data: wire.ChatCompletionRequest) -> dict[str, Any]:

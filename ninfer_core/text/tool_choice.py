@@ -1,0 +1,82 @@
+"""A forced tool choice, enforced without a grammar: the answer starts as the model's call does.
+
+OpenAI's `tool_choice: "required"` / a named function and Anthropic's `{"type": "any"}` /
+`{"type": "tool", "name": ...}` must end in a call. vLLM constrains decoding to the tools'
+schemas; short of a grammar engine, the assistant turn is prefilled with the opening of the
+model's own call form, so the model's next tokens are the call itself:
+
+- any tool: `<tool_call>\\n` — the model writes the name and the arguments;
+- a named tool, JSON form (Qwen2.5/Qwen3): `<tool_call>\\n{"name": "NAME", "arguments":` —
+  the model writes the arguments. The prefill stops before the space: Qwen's BPE writes
+  ` {` as one token, so a prompt ending in a bare space would ask for a token sequence the
+  model never produced;
+- a named tool, XML form (Qwen3-Coder, `<function=` in the template):
+  `<tool_call>\\n<function=NAME>\\n`.
+
+The opening is appended to the rendered prompt (its tokens count as prompt tokens) and fed
+to the output parser before the model's first token, so the parser reads the whole call and
+the answer holds a proper tool call. When the prompt ends inside an open `<think>` block the
+prompt also gets `</think>\\n\\n` first: a forced call skips the reasoning. A template without
+`<tool_call>` in it (another family's call format) gets no prefill: the tools are shown and
+the choice stays a request the model may ignore.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ninfer_core.text.reasoning import THINK_CLOSE, THINK_OPEN
+from ninfer_core.text.tool_calls import TOOL_OPEN
+
+if TYPE_CHECKING:
+    from ninfer_core.text.chat_template import ChatTemplate
+    from ninfer_core.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """A tool choice that must end in a call: to any of the tools (`name` None) or to one."""
+
+    name: str | None = None
+
+
+def call_format(template: ChatTemplate | None) -> Literal["json", "xml"] | None:
+    """The call form the template teaches (`<tool_call>` with JSON or `<function=…>`), or
+    None when it uses no `<tool_call>` tag and a call cannot be prefilled."""
+    source = "\n".join(template.templates.values()) if template is not None else ""
+    if TOOL_OPEN not in source:
+        return None
+    return "xml" if "<function=" in source else "json"
+
+
+def call_opening(template: ChatTemplate | None, forced: ForcedCall | None) -> str:
+    """The text a forced answer starts with, as the model would have written it; "" when
+    nothing is forced or the template's call form is not known."""
+    form = call_format(template) if forced is not None else None
+    if form is None or forced is None:
+        return ""
+    if forced.name is None:
+        return TOOL_OPEN + "\n"
+    if form == "xml":
+        return f"{TOOL_OPEN}\n<function={forced.name}>\n"
+    return f'{TOOL_OPEN}\n{{"name": {json.dumps(forced.name, ensure_ascii=False)}, "arguments":'
+
+
+def ends_in_thinking(text: str) -> bool:
+    """Whether `text` (a prompt's tail) leaves a `<think>` block open."""
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+
+
+def with_opening(tokenizer: Tokenizer, prompt_ids: list[int], opening: str) -> list[int]:
+    """The prompt ids followed by the call's opening (closing an open `<think>` first).
+
+    The opening is encoded apart from the prompt: it starts at a tag (`<tool_call>`, a
+    special token in the models that use it), where the tokenizer splits anyway.
+    """
+    if not opening:
+        return prompt_ids
+    if ends_in_thinking(tokenizer.decode(prompt_ids[-32:])):
+        opening = f"{THINK_CLOSE}\n\n{opening}"
+    return [*prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
