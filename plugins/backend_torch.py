@@ -4,6 +4,15 @@ Plain PyTorch ops; runs wherever torch runs. Attention gathers each sequence's c
 pages and calls `F.scaled_dot_product_attention` (grouped-query heads through
 `enable_gqa`) for prefill, two small matmuls for a decode row; masks are built once
 per step in `prepare`, not per layer.
+
+Quantized weights (`QuantizedTensor`) run one of two ways. The reference dequantizes
+row chunks into the activations' dtype and calls `F.linear` (exact: the same numbers a
+dense model of the dequantized weights computes). On the CPU in bf16, `pack_linear`
+instead repacks them for torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, which
+computes `(q - 8) * scale + zero` per group): Q4 codes directly; 5-, 6- and 8-bit codes
+as two int4 halves, `code = 16 * hi + lo`, laid side by side along K against `[x, x]`.
+The kernel takes bf16 scales, so fp16 scales lose 3 bits (relative error <= 2^-9 on
+each weight); see `tests/test_quant_model.py` for the measured bound.
 """
 
 from __future__ import annotations
@@ -15,23 +24,40 @@ from ninfer_core import hookimpl
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps
+from ninfer_core.quant.tensor import QuantizedTensor
 from ninfer_core.support import Support
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_INT4_CPU = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+    torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+)
+#: Group sizes the CPU int4 kernel accepts.
+_INT4_GROUPS = (32, 64, 128, 256)
 
 
 class TorchOps(KernelOps):
     name = "torch"
 
     def linear(self, x, w, b=None):
+        if isinstance(w, Int4Linear):
+            return w(x, b)
+        if isinstance(w, QuantizedTensor):
+            return w.linear(x, b)
         if w.layout == torch._mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
         return F.linear(x, w, b)
 
-    def pack_linear(self, w):
+    def pack_linear(self, w, *, dtype=None):
         """On the CPU, oneDNN's blocked weight layout: decode GEMVs then stream the
         weights at close to memory bandwidth (about 1.5-3x `F.linear` on plain
-        row-major weights here), with identical results in bf16."""
+        row-major weights here), with identical results in bf16.
+
+        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`;
+        otherwise it stays as it is and `linear` runs the exact reference path."""
+        if isinstance(w, QuantizedTensor):
+            if int4_supported(w, self.device, dtype):
+                return Int4Linear(w)
+            return w
         if self.device.type != "cpu" or w.dtype != torch.bfloat16 or not _MKLDNN:
             return w
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
@@ -127,6 +153,88 @@ def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, G, L]
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(1, h, d)  # [Hkv, G, D] -> [1, H, D]
+
+
+def int4_supported(w: QuantizedTensor, device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether `Int4Linear` can run `w` for `dtype` activations on `device`."""
+    return (
+        _INT4_CPU
+        and dtype == torch.bfloat16
+        and torch.device(device).type == "cpu"
+        and w.fmt.group in _INT4_GROUPS
+        and w.fmt.bits <= 8
+    )
+
+
+class Int4Linear:
+    """A quantized `[out, in]` weight repacked for torch's CPU int4 kernel (bf16 only).
+
+    4-bit codes go in as `q = code + 8` with zero 0. Wider codes split as
+    `code = 16 * hi + lo` (`lo = code & 15`, `hi = code >> 4`): the K axis holds the
+    `lo` half (scale s, zero 8s, so `(lo - 8) s + 8s = lo s`) and then the `hi` half
+    (`q = hi + 8`, scale 16s), and the activations go in twice, `[x, x]`. Resident
+    bytes: 0.5 per weight for Q4, 1 for Q5/Q6/W8, plus 4 bytes of scale and zero per
+    group (per half).
+    """
+
+    #: Rows converted at a time (a multiple of the kernel's 64-row blocks).
+    CHUNK_ROWS = 4096
+
+    def __init__(self, w: QuantizedTensor) -> None:
+        self.out_features, self.in_features = w.shape
+        self.group, self.padded_in = w.fmt.group, w.padded_cols
+        self.split = w.fmt.bits > 4
+        self.padded_out = -(-self.out_features // 16) * 16  # the kernel wants N % 16 == 0
+        packed, sz = [], []
+        for start in range(0, self.out_features, self.CHUNK_ROWS):
+            n = min(self.CHUNK_ROWS, self.out_features - start)
+            p, s = self._convert(w.narrow_rows(start, n), start + n == self.out_features)
+            packed.append(p)
+            sz.append(s)
+        self.packed = torch.cat(packed) if len(packed) > 1 else packed[0]
+        # scales_and_zeros: [K' / group, N_padded, 2]
+        self.scales_and_zeros = torch.cat(sz, dim=1) if len(sz) > 1 else sz[0]
+
+    def _convert(self, w: QuantizedTensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = w.codes()  # int8 [n, Kp]
+        scale = w.scales.to(torch.bfloat16)  # [n, Kp / group]
+        if self.split:
+            lo, hi = codes & 15, codes >> 4  # two's complement: code = 16 * hi + lo
+            q = torch.cat((lo.to(torch.int32), hi.to(torch.int32) + 8), dim=1)
+            scales = torch.cat((scale, scale * 16), dim=1)
+            zeros = torch.cat((scale * 8, torch.zeros_like(scale)), dim=1)
+        else:
+            q = codes.to(torch.int32) + 8
+            scales, zeros = scale, torch.zeros_like(scale)
+        pad = self.padded_out - self.out_features if last else 0
+        if pad:  # zero rows: q = 8 with scale 0
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 8)
+        sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+        return packed, sz
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] bf16 -> [T, out] bf16
+        assert x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        if self.split:
+            x = torch.cat((x, x), dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group, self.scales_and_zeros
+        )
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
+        return y if b is None else y + b
+
+    def __repr__(self) -> str:
+        halves = " (two int4 halves)" if self.split else ""
+        return f"Int4Linear([{self.out_features}, {self.in_features}], group {self.group}{halves})"
 
 
 class TorchBackend:

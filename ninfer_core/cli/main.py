@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": "ninfer_core.cli.plan_cmd",
     "bench": "ninfer_core.cli.bench_cmd",
     "pull": "ninfer_core.cli.pull_cmd",
+    "convert": "ninfer_core.cli.convert_cmd",
     "inspect": "ninfer_core.cli.inspect_cmd",
 }
 

@@ -11,6 +11,7 @@ from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.layers import DecoderLayer, RMSNorm, empty_param
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
+from ninfer_core.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from ninfer_core.engine.attention_meta import AttentionMetadata
@@ -47,17 +48,31 @@ class DenseDecoder(nn.Module):
         self.packed_head = None
 
     @property
-    def head_weight(self) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor | QuantizedTensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def weight_bytes(self) -> int:
-        """Bytes the weights hold, packed copies included (they are not parameters)."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes the weights hold: parameters, quantized weights (codes and scales) and
+        packed copies (they are not parameters); an object held twice counts once."""
+        seen: set[int] = set()
+        total = 0
         for module in self.modules():
-            for value in vars(module).values():
-                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            for value in (*module._parameters.values(), *vars(module).values()):
+                if value is None or id(value) in seen:
+                    continue
+                if isinstance(value, torch.Tensor):
                     total += value.numel() * value.element_size()
+                elif isinstance(getattr(value, "nbytes", None), int):
+                    total += value.nbytes  # QuantizedTensor, or a backend's packed weight
+                else:
+                    continue
+                seen.add(id(value))
         return total
+
+    def _pack(self, w):
+        if isinstance(w, QuantizedTensor):  # the weight does not say the compute dtype
+            return self.ops.pack_linear(w, dtype=self.dtype)
+        return self.ops.pack_linear(w)
 
     def pack_weights(self) -> None:
         """Hand every projection to the backend's `pack_linear`, once, after loading.
@@ -72,15 +87,15 @@ class DenseDecoder(nn.Module):
                 (layer.mlp, "gate_up_proj"),
                 (layer.mlp, "down_proj"),
             ):
-                packed = self.ops.pack_linear(getattr(module, name))
+                packed = self._pack(getattr(module, name))
                 if packed is not getattr(module, name):
-                    del module._parameters[name]
+                    module._parameters.pop(name, None)
                     setattr(module, name, packed)
-        packed = self.ops.pack_linear(self.head_weight)
+        packed = self._pack(self.head_weight)
         if packed is not self.head_weight:
             self.packed_head = packed
             if self.lm_head is not None:  # untied: the packed head replaces the plain one
-                del self._parameters["lm_head"]
+                self._parameters.pop("lm_head", None)
                 self.lm_head = packed
 
     def forward(
@@ -93,7 +108,10 @@ class DenseDecoder(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         self.ops.prepare(meta)
         cos, sin = self.rotary(positions, self.dtype)  # cos, sin: [T, D/2], once per step
-        x = self.embed_tokens[input_ids]
+        if isinstance(self.embed_tokens, QuantizedTensor):
+            x = self.embed_tokens.embedding(input_ids, self.dtype)  # only these rows
+        else:
+            x = self.embed_tokens[input_ids]
         for layer in self.layers:
             x = layer(x, cos, sin, kv_store, meta)
         return self.norm(x)

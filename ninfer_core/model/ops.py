@@ -32,13 +32,24 @@ class KernelOps:
 
     def linear(self, x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in], w: [out, in] (the HF layout) or what `pack_linear` made of it,
-        b: [out] -> [T, out]."""
+        b: [out] -> [T, out] in x.dtype.
+
+        `w` may be a `QuantizedTensor` (`ninfer_core.quant.tensor`) when `pack_linear`
+        kept one as it is; `QuantizedTensor.linear(x, b)` is the reference for that
+        case (row chunks dequantized into x.dtype, then `F.linear`)."""
         raise NotImplementedError
 
-    def pack_linear(self, w: torch.Tensor) -> Any:
+    def pack_linear(self, w: Any, *, dtype: torch.dtype | None = None) -> Any:
         """Repack a loaded `[out, in]` weight into whatever this backend's GEMM reads
         fastest. Called once per weight after loading; the result is only ever handed
-        back to `linear`. The default keeps the tensor as it is."""
+        back to `linear`. The default keeps the weight as it is.
+
+        `w` is a dense tensor, or a `QuantizedTensor` (packed group codes and fp16
+        scales). Only for the latter does the model pass `dtype`, the compute dtype its
+        activations will have, since the weight itself does not tell; a backend that
+        repacks quantized weights for a kernel picks it by that dtype. Anything returned
+        for a quantized weight should have an `nbytes` property (`weight_bytes` counts it).
+        """
         return w
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,6 +4,10 @@ The checkpoint's q/k/v and gate/up projections land in row ranges of our fused
 `qkv_proj` and `gate_up_proj`. Every expected tensor and its shape is checked before
 any is read, so a bad checkpoint fails in one line and never half-loads. Tensors we
 do not use (rotary `inv_freq`, extra MTP layers, a tied model's `lm_head`) are ignored.
+
+An artifact with `load_weight(name)` (the `.ninfer` reader) may hand back a
+`QuantizedTensor` for a matrix; then the parameter is replaced by the quantized matrix
+(a fused one stacked with `QuantizedTensor.cat_rows`), never by a dense copy.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_types import Artifact
+from ninfer_core.quant.tensor import QuantizedTensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +108,55 @@ def check_weights(config: ModelConfig, artifact: Artifact) -> list[WeightSlot]:
 
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, artifact: Artifact) -> None:
-    """Fill `model` (a `DenseDecoder`) from `artifact`, casting to the model's dtype."""
+    """Fill `model` (a `DenseDecoder`) from `artifact`, casting dense tensors to the
+    model's dtype and installing quantized matrices as they are."""
     plan = check_weights(model.config, artifact)
     params = dict(model.named_parameters())
+    load = getattr(artifact, "load_weight", None) or artifact.load_tensor
+    groups: dict[str, list[WeightSlot]] = {}
     for slot in plan:
-        target = params[slot.param]
-        rows = target.narrow(0, slot.offset, slot.shape[0])
-        rows.copy_(artifact.load_tensor(slot.hf_name))  # copy_ casts dtype and device
+        groups.setdefault(slot.param, []).append(slot)
+    for param, slots in groups.items():
+        slots.sort(key=lambda s: s.offset)
+        target = params[param]
+        parts = []
+        for slot in slots:
+            part = load(slot.hf_name)
+            if not isinstance(part, QuantizedTensor):  # dense: straight into its rows
+                target.narrow(0, slot.offset, slot.shape[0]).copy_(part)  # casts, moves
+            parts.append(part)
+        quantized = [isinstance(p, QuantizedTensor) for p in parts]
+        if any(quantized):
+            _install_quantized(model, param, target, slots, parts, quantized, artifact)
+
+
+def _install_quantized(model, param, target, slots, parts, quantized, artifact) -> None:
+    names = ", ".join(
+        f"{s.hf_name} ({p.fmt.name if q else 'dense'})"
+        for s, p, q in zip(slots, parts, quantized, strict=True)
+    )
+    if not all(quantized):
+        raise ModelLoadError(
+            f"{artifact.path}: tensors fused into {param} mix dense and quantized formats: "
+            f"{names}; a fused group needs one format"
+        )
+    if target.dim() != 2:
+        raise ModelLoadError(
+            f"{artifact.path}: {names} is quantized, but {param} must be a dense vector"
+        )
+    for slot, part in zip(slots, parts, strict=True):
+        if tuple(part.shape) != slot.shape:
+            raise ModelLoadError(
+                f"{artifact.path}: quantized tensor {slot.hf_name!r} has shape "
+                f"{_fmt(part.shape)}, expected {_fmt(slot.shape)}"
+            )
+    try:
+        matrix = QuantizedTensor.cat_rows(parts)
+    except ValueError:
+        raise ModelLoadError(
+            f"{artifact.path}: tensors fused into {param} have different formats: {names}"
+        ) from None
+    module_name, _, attr = param.rpartition(".")
+    module = model.get_submodule(module_name)
+    del module._parameters[attr]  # the uninitialised dense matrix goes
+    setattr(module, attr, matrix.to(target.device))

@@ -1,0 +1,255 @@
+"""`QuantizedTensor`: a 2-D weight held as packed group codes and fp16 scales.
+
+The quantizer (the definition the tests' float64 oracle implements independently):
+
+For a `[rows, cols]` weight and a format of `bits` and `group` (see `formats.py`), pad
+each row with zeros to `padded_cols`, cut it into groups of `group` columns, and per
+group, in float64:
+
+    absmax = max |w|
+    scale  = fp16(min(absmax / qmax, 65504))     # qmax = 7, 15, 31, 127 for 4/5/6/8 bits
+    code   = clamp(round_half_even(w / scale), qmin, qmax)   if scale > 0, else 0
+
+`fp16(.)` is one correctly rounded float64 -> fp16 conversion (round to nearest even).
+Torch's own float64 -> fp16 cast rounds twice (through fp32) and misses by one ulp on
+rare ties, so `_round_fp16` rounds to fp32 *to odd* first, which makes the second
+rounding exact. An all-zero group, or one whose scale rounds to 0, has codes 0.
+
+Dequantizing is `code * scale` in fp32 -- exact, since an 8-bit code times an 11-bit
+fp16 significand fits fp32's 24 bits -- then one cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_core.errors import ArtifactError
+from ninfer_core.quant.codes import pack_codes, unpack_codes
+from ninfer_core.quant.formats import WeightFormat, weight_format
+
+FP16_MAX = 65504.0
+#: Elements of one dequantized chunk on the reference GEMM path (16 MB in fp32).
+_CHUNK_ELEMS = 1 << 22
+
+
+class QuantizedTensor:
+    """`codes`: uint8 [rows, padded_cols * bits / 8] (the stored stream),
+    `scales`: fp16 [rows, padded_cols / group]; logical `shape` is `(rows, cols)`."""
+
+    __slots__ = ("fmt", "packed", "scales", "shape")
+
+    def __init__(
+        self,
+        fmt: WeightFormat,
+        shape: tuple[int, int],
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        rows, cols = int(shape[0]), int(shape[1])
+        if not fmt.quantized:
+            raise ValueError(f"{fmt.name} is a dense format, not a quantized one")
+        padded = fmt.padded_cols(cols)
+        want_codes = (rows, padded * fmt.bits // 8)
+        want_scales = (rows, padded // fmt.group)
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != want_codes:
+            raise ValueError(
+                f"{fmt.name} {[rows, cols]}: codes must be uint8 {list(want_codes)}, "
+                f"not {packed.dtype} {list(packed.shape)}"
+            )
+        if scales.dtype != torch.float16 or tuple(scales.shape) != want_scales:
+            raise ValueError(
+                f"{fmt.name} {[rows, cols]}: scales must be fp16 {list(want_scales)}, "
+                f"not {scales.dtype} {list(scales.shape)}"
+            )
+        self.fmt, self.shape = fmt, (rows, cols)
+        self.packed, self.scales = packed, scales
+
+    # ------------------------------------------------------------------ storage
+
+    @classmethod
+    def from_stored(
+        cls, fmt_name: str, shape: Sequence[int], data: torch.Tensor
+    ) -> QuantizedTensor:
+        """The tensor over `data` (1-D uint8, exactly `stored_nbytes`): codes block, then
+        scales block. Zero-copy views where the scale block is 2-byte aligned in memory."""
+        fmt = weight_format(fmt_name)
+        shape = (int(shape[0]), int(shape[1])) if len(shape) == 2 else tuple(shape)
+        need = fmt.stored_nbytes(shape)
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != need:
+            raise ArtifactError(
+                f"{fmt.name} tensor of shape {list(shape)} needs {need} bytes as 1-D uint8, "
+                f"got {data.dtype} {list(data.shape)}"
+            )
+        rows, cols = shape
+        padded = fmt.padded_cols(cols)
+        code_bytes = fmt.code_bytes(shape)
+        packed = data[:code_bytes].view(rows, padded * fmt.bits // 8)
+        raw = data[code_bytes:]
+        try:
+            scales = raw.view(torch.float16)
+        except RuntimeError:  # the scale block starts on an odd address: copy it
+            scales = raw.clone().view(torch.float16)
+        return cls(fmt, shape, packed, scales.view(rows, padded // fmt.group))
+
+    def to_stored(self) -> torch.Tensor:
+        """1-D uint8: the codes block, then the scales block (little-endian fp16)."""
+        codes = self.packed.contiguous().view(-1)
+        scales = self.scales.contiguous().view(-1).view(torch.uint8)
+        return torch.cat((codes, scales))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def padded_cols(self) -> int:
+        return self.fmt.padded_cols(self.shape[1])
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        device = torch.device(device)
+        if self.packed.device == device:
+            return self
+        return QuantizedTensor(self.fmt, self.shape, self.packed.to(device), self.scales.to(device))
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor({self.fmt.name}, shape={list(self.shape)}, {self.nbytes} bytes)"
+
+    # ------------------------------------------------------------------- values
+
+    def codes(self) -> torch.Tensor:
+        """int8 [rows, padded_cols]: the signed codes, padding included."""
+        return unpack_codes(self.packed, self.fmt.bits)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[rows, cols] in `dtype`: code * scale in fp32 (exact), then one cast."""
+        rows, cols = self.shape
+        g = self.fmt.group
+        codes = self.codes().view(rows, -1, g).to(torch.float32)
+        dense = (codes * self.scales.to(torch.float32)[..., None]).view(rows, -1)
+        out = dense[:, :cols].to(dtype)
+        return out if out.is_contiguous() else out.contiguous()
+
+    def narrow_rows(self, start: int, length: int) -> QuantizedTensor:
+        """Rows `start:start + length`, as views."""
+        return QuantizedTensor(
+            self.fmt,
+            (length, self.shape[1]),
+            self.packed.narrow(0, start, length),
+            self.scales.narrow(0, start, length),
+        )
+
+    def index_rows(self, ids: torch.Tensor) -> QuantizedTensor:
+        """The rows `ids` (1-D), gathered (packed; nothing dequantized)."""
+        ids = ids.reshape(-1).to(self.device)
+        return QuantizedTensor(
+            self.fmt,
+            (ids.numel(), self.shape[1]),
+            self.packed.index_select(0, ids),
+            self.scales.index_select(0, ids),
+        )
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ids: integer [...] -> [..., cols] in `dtype`; only the looked-up rows are
+        dequantized (an embedding table never becomes dense)."""
+        return self.index_rows(ids).dequantize(dtype).view(*ids.shape, self.shape[1])
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference GEMM, x: [T, cols] -> [T, rows] in x.dtype: row chunks are
+        dequantized into x.dtype and multiplied one by one, so no dense copy of the
+        whole weight is ever resident."""
+        rows = self.shape[0]
+        step = max(1, _CHUNK_ELEMS // self.padded_cols)
+        if step >= rows:
+            return F.linear(x, self.dequantize(x.dtype), b)
+        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            part = self.narrow_rows(start, n).dequantize(x.dtype)
+            bias = None if b is None else b[start : start + n]
+            out[..., start : start + n] = F.linear(x, part, bias)
+        return out
+
+    @staticmethod
+    def cat_rows(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
+        """Stack row blocks of one format and one column count (fused q|k|v, gate|up)."""
+        if not parts:
+            raise ValueError("cat_rows needs at least one part")
+        fmt, cols = parts[0].fmt, parts[0].shape[1]
+        for p in parts[1:]:
+            if p.fmt != fmt or p.shape[1] != cols:
+                raise ValueError(
+                    f"cannot stack {p.fmt.name} {list(p.shape)} under {fmt.name} "
+                    f"with {cols} columns: one format and one width only"
+                )
+        if len(parts) == 1:
+            return parts[0]
+        rows = sum(p.shape[0] for p in parts)
+        return QuantizedTensor(
+            fmt,
+            (rows, cols),
+            torch.cat([p.packed for p in parts]),
+            torch.cat([p.scales for p in parts]),
+        )
+
+
+# ----------------------------------------------------------------------- encoder
+
+
+def _round_fp16(x: torch.Tensor) -> torch.Tensor:
+    """float64 >= 0 -> fp16, correctly rounded (round to nearest even, once).
+
+    Rounding to fp32 first would round twice; rounding to fp32 *to odd* (truncate, then
+    set the last bit when anything was dropped) keeps enough information that the
+    fp32 -> fp16 rounding lands where the direct one would.
+    """
+    f = x.to(torch.float32)
+    over = f.to(torch.float64) > x  # rounded up: step back towards zero (x >= 0)
+    f = torch.where(over, torch.nextafter(f, torch.zeros_like(f)), f)
+    inexact = f.to(torch.float64) != x
+    bits = f.view(torch.int32) | inexact.to(torch.int32)
+    return bits.view(torch.float32).to(torch.float16)
+
+
+def _encode_rows(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    # w: [r, cols] any float -> codes int8 [r, padded], scales fp16 [r, groups]
+    rows, cols = w.shape
+    padded, g = fmt.padded_cols(cols), fmt.group
+    w64 = F.pad(w.to(device="cpu", dtype=torch.float64), (0, padded - cols))
+    groups = w64.view(rows, padded // g, g)
+    absmax = groups.abs().amax(-1)  # [r, groups]
+    scales = _round_fp16((absmax / fmt.qmax).clamp(max=FP16_MAX))
+    s64 = scales.to(torch.float64)[..., None]
+    safe = torch.where(s64 > 0, s64, torch.ones_like(s64))
+    codes = torch.round(groups / safe).clamp(fmt.qmin, fmt.qmax)  # round half to even
+    codes = torch.where(s64 > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.int8).view(rows, padded), scales
+
+
+def quantize(w: torch.Tensor, fmt_name: str) -> QuantizedTensor:
+    """w: float [rows, cols] (bf16, fp16 or fp32, any device) -> the format's codes and
+    scales, computed in float64 on the CPU a row chunk at a time; result on the CPU."""
+    fmt = weight_format(fmt_name)
+    if not fmt.quantized:
+        raise ValueError(f"{fmt.name} is a dense format; quantize() makes quantized ones")
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"{fmt.name} quantizes a 2-D float matrix, not {w.dtype} {list(w.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"cannot quantize a matrix with inf or NaN values to {fmt.name}")
+    rows, cols = w.shape
+    padded = fmt.padded_cols(cols)
+    packed = torch.empty(rows, padded * fmt.bits // 8, dtype=torch.uint8)
+    scales = torch.empty(rows, padded // fmt.group, dtype=torch.float16)
+    step = max(1, _CHUNK_ELEMS // padded)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        codes, s = _encode_rows(w[start:end], fmt)
+        packed[start:end] = pack_codes(codes, fmt.bits)
+        scales[start:end] = s
+    return QuantizedTensor(fmt, (rows, cols), packed, scales)
