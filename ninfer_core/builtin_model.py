@@ -1,9 +1,13 @@
-"""The small built-in model used when no MODEL is given.
+"""The built-in models: the trained one NInfer ships, and a random one for tests.
 
-A Qwen3-architecture model with random weights drawn from a fixed seed and a
-byte-level tokenizer (every byte one token, no merges), written once as a normal
-Hugging Face folder so it loads through the same reader and family as any model.
-It needs no network; its answers are noise until a trained model ships.
+`default_model()` is what `ninfer generate`, `ninfer-serve` and the benches load when
+no MODEL is given: a small Qwen3-architecture model trained on the Python standard
+library and synthetic agent transcripts (`tools/train_builtin_model.py`, described in
+docs/builtin-model.md), shipped inside the package as one `.ninfer` file.
+
+`ensure_random_model()` writes a Qwen3-architecture model with random weights from a
+fixed seed and a byte-level tokenizer (every byte one token, no merges) as a normal
+Hugging Face folder; tests use it where only shapes and plumbing matter.
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ from pathlib import Path
 
 import torch
 
-BUILTIN_NAME = "ninfer-builtin-random-v1"
+from ninfer_core.errors import NInferError
+
+BUILTIN_NAME = "ninfer-builtin-v1"
+#: where the trained built-in model ships, inside the package (its name is its model id)
+BUILTIN_ARTIFACT = Path(__file__).parent / "data" / f"{BUILTIN_NAME}.ninfer"
+RANDOM_NAME = "ninfer-builtin-random-v1"
 SEED = 20261202
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
 
@@ -49,7 +58,23 @@ CHAT_TEMPLATE = """\
 {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
 {%- endif %}
 {%- for m in messages %}
-{%- if m.role != 'system' %}
+{%- if m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- elif m.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + (m.content or '') }}
+{%- for call in m.tool_calls or [] %}
+{%- set f = call.function if call.function is defined else call %}
+{%- if not loop.first or m.content %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + f.name + '", "arguments": ' }}
+{{- f.arguments if f.arguments is string else (f.arguments | tojson) }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif m.role != 'system' or not loop.first %}
 {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
@@ -109,15 +134,26 @@ def _weights(config: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def default_model() -> Path:
+    """The shipped trained model; a clear error when the package lost it."""
+    if not BUILTIN_ARTIFACT.is_file():
+        raise NInferError(
+            f"the built-in model {BUILTIN_ARTIFACT} is missing; reinstall NInfer, or "
+            "retrain it with `python tools/train_builtin_model.py --install mixed`"
+        )
+    return BUILTIN_ARTIFACT
+
+
 def builtin_model_dir() -> Path:
+    """Where the random-weight model folder is written (`$NINFER_CACHE`)."""
     base = os.environ.get("NINFER_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ninfer"
     )
-    return Path(base) / BUILTIN_NAME
+    return Path(base) / RANDOM_NAME
 
 
-def ensure_builtin_model(path: Path | None = None) -> Path:
-    """Write the built-in model folder if it is not there yet; return its path."""
+def ensure_random_model(path: Path | None = None) -> Path:
+    """Write the random-weight model folder if it is not there yet; return its path."""
     from safetensors.torch import save_file
 
     path = path or builtin_model_dir()

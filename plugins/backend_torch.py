@@ -11,11 +11,16 @@ dense model of the dequantized weights computes). On the CPU in bf16, `pack_line
 instead repacks them for torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, which
 computes `(q - 8) * scale + zero` per group): Q4 codes directly; 5-, 6- and 8-bit codes
 as two int4 halves, `code = 16 * hi + lo`, laid side by side along K against `[x, x]`.
+The kernel suits decode (a few rows); a prefill chunk of many rows instead dequantizes
+the packed weight to bf16 a row chunk at a time and runs dense GEMMs (no dense copy
+stays resident).
 The kernel takes bf16 scales, so fp16 scales lose 3 bits (relative error <= 2^-9 on
 each weight); see `tests/test_quant_model.py` for the measured bound.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,7 @@ from ninfer_core import hookimpl
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps
+from ninfer_core.quant.formats import WeightFormat, weight_format
 from ninfer_core.quant.tensor import QuantizedTensor
 from ninfer_core.support import Support
 
@@ -61,6 +67,19 @@ class TorchOps(KernelOps):
         if self.device.type != "cpu" or w.dtype != torch.bfloat16 or not _MKLDNN:
             return w
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+
+    def packed_nbytes(self, fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
+        """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt_name` and run
+        in `dtype`, or None where it keeps the matrix as loaded; computed from the shape
+        alone, so `ninfer plan` sizes a quantized model without reading a weight."""
+        fmt = weight_format(fmt_name)
+        if fmt.quantized:
+            if int4_format_supported(fmt, self.device, dtype):
+                return Int4Linear.nbytes_for(fmt, shape)
+            return None
+        if self.device.type != "cpu" or dtype != torch.bfloat16 or not _MKLDNN:
+            return None
+        return shape[0] * shape[1] * dtype.itemsize  # the blocked layout, same bytes
 
     def rms_norm(self, x, w, eps):
         # Statistics in fp32, then back to x.dtype before the weight, as transformers does.
@@ -157,12 +176,19 @@ def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 def int4_supported(w: QuantizedTensor, device: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether `Int4Linear` can run `w` for `dtype` activations on `device`."""
+    return int4_format_supported(w.fmt, device, dtype)
+
+
+def int4_format_supported(
+    fmt: WeightFormat, device: torch.device, dtype: torch.dtype | None
+) -> bool:
+    """Whether `Int4Linear` can run weights of `fmt` for `dtype` activations on `device`."""
     return (
         _INT4_CPU
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
-        and w.fmt.group in _INT4_GROUPS
-        and w.fmt.bits <= 8
+        and fmt.group in _INT4_GROUPS
+        and fmt.bits <= 8
     )
 
 
@@ -179,6 +205,14 @@ class Int4Linear:
 
     #: Rows converted at a time (a multiple of the kernel's 64-row blocks).
     CHUNK_ROWS = 4096
+    #: Inputs of more rows than this take the dense path (`_dense`). The int4 kernel
+    #: re-decodes the weight for every few rows (3-14x slower than bf16 past ~4 rows);
+    #: the dense path decodes it once a call, which costs about what 80-100 rows through
+    #: the kernel do (measured on a Xeon, 1 and 2 threads), then runs at bf16 speed.
+    DENSE_MIN_ROWS = 96
+    #: Weight elements dequantized at a time on the dense path (8 MiB of bf16): the
+    #: whole dense matrix is never resident.
+    DENSE_CHUNK_ELEMS = 1 << 22
 
     def __init__(self, w: QuantizedTensor) -> None:
         self.out_features, self.in_features = w.shape
@@ -218,11 +252,23 @@ class Int4Linear:
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
 
+    @staticmethod
+    def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
+        """`nbytes` of the `Int4Linear` of a `shape` matrix in `fmt`, without building it:
+        K' = padded columns (twice that for two halves), N rounded up to 16; the packed
+        codes take K' / 2 bytes a row, and each group of each row a bf16 scale and zero."""
+        rows, cols = int(shape[0]), int(shape[1])
+        k = fmt.padded_cols(cols) * (2 if fmt.bits > 4 else 1)
+        n = -(-rows // 16) * 16
+        return n * k // 2 + (k // fmt.group) * n * 2 * 2
+
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] bf16 -> [T, out] bf16
         assert x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
+        if x.shape[0] > self.DENSE_MIN_ROWS and int4_layout_known():
+            return self._dense(x, b)
         if self.split:
             x = torch.cat((x, x), dim=-1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -232,9 +278,94 @@ class Int4Linear:
             y = y[:, : self.out_features]
         return y if b is None else y + b
 
+    def dequantize_t(self, start: int, n: int, dtype=torch.float32) -> torch.Tensor:
+        """Rows `start:start + n` of the weight, transposed: `[padded_in, n]` in `dtype`,
+        with the kernel's numbers: `code * scale`, the code rebuilt as `q - 8` (Q4) or
+        `16 (q_hi - 8) + q_lo` (two halves) and the bf16 scale of `_convert`, so each
+        product rounds once into `dtype`. `start` is a multiple of 64."""
+        q = unpack_int4pack(self.packed, self.padded_out, start, n)  # [K', n] 0..15
+        groups = self.padded_in // self.group
+        # scales_and_zeros: [K' / group, N, 2]; the first `groups` hold s (lo half, or Q4)
+        scales = self.scales_and_zeros[:groups, start : start + n, 0]  # [groups, n]
+        # Codes are integers in [-128, 127]: exact in bf16, so they are built in `dtype`.
+        if self.split:
+            lo, hi = q[: self.padded_in], q[self.padded_in :]
+            codes = lo.to(dtype).add_(hi.to(dtype), alpha=16).sub_(128)
+        else:
+            codes = q.to(dtype).sub_(8)
+        w = codes.view(groups, self.group, n).mul_(scales.to(dtype)[:, None])
+        return w.view(self.padded_in, n)
+
+    def _dense(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Many rows (a prefill chunk): dequantize the weight to bf16 one row chunk at a
+        time and run dense GEMMs, which reuse each weight over every row of `x`."""
+        # x: [T, padded_in] bf16 -> [T, out] bf16
+        step = max(64, self.DENSE_CHUNK_ELEMS // self.padded_in // 64 * 64)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, self.out_features, step):
+            n = min(step, self.out_features - start)
+            wt = self.dequantize_t(start, n, torch.bfloat16)  # [padded_in, n]
+            y = torch.matmul(x, wt)
+            out[:, start : start + n] = y if b is None else y + b[start : start + n]
+        return out
+
     def __repr__(self) -> str:
         halves = " (two int4 halves)" if self.split else ""
         return f"Int4Linear([{self.out_features}, {self.in_features}], group {self.group}{halves})"
+
+
+#: Rows per block of the CPU int4 kernel's packed layout.
+_INT4_BLOCK = 64
+
+
+def unpack_int4pack(packed: torch.Tensor, rows: int, start: int, n: int) -> torch.Tensor:
+    """Rows `start:start + n` of a `_convert_weight_to_int4pack_for_cpu` result, as uint8
+    nibbles `[K, n]` (K-major, the layout the packing already has: no transpose);
+    `rows` is the packed matrix's row count, `start` a multiple of 64.
+
+    The layout (checked by `int4_layout_known` before it is relied on): rows in blocks
+    of 64, each block `[K, 32]` bytes whose byte j holds row j (low nibble) and row
+    j + 32 (high); a last block of fewer rows `[K, rows / 2]`, two adjacent rows a byte.
+    """
+    flat = packed.view(-1)
+    k = flat.numel() * 2 // rows
+    full = rows // _INT4_BLOCK * _INT4_BLOCK
+    b0 = start // _INT4_BLOCK
+    b1 = -(-min(start + n, full) // _INT4_BLOCK) if start < full else b0
+    tail = rows - full if start + n > full else 0
+    out = torch.empty(k, (b1 - b0) * _INT4_BLOCK + tail, dtype=torch.uint8)
+    if b1 > b0:
+        half = _INT4_BLOCK // 2
+        blocks = flat[: full * k // 2].view(-1, k, half)[b0:b1].transpose(0, 1)  # [K, nb, 32]
+        dst = out[:, : (b1 - b0) * _INT4_BLOCK].view(k, b1 - b0, _INT4_BLOCK)
+        torch.bitwise_and(blocks, 15, out=dst[..., :half])
+        torch.bitwise_right_shift(blocks, 4, out=dst[..., half:])
+    if tail:
+        packed_tail = flat[full * k // 2 :].view(k, tail // 2)
+        dst = out[:, -tail:].view(k, tail // 2, 2)
+        torch.bitwise_and(packed_tail, 15, out=dst[..., 0])
+        torch.bitwise_right_shift(packed_tail, 4, out=dst[..., 1])
+    return out[:, :n]
+
+
+@functools.cache
+def int4_layout_known() -> bool:
+    """Whether this torch packs int4 weights the way `unpack_int4pack` reads them (the
+    layout is the kernel's own, not a public format): one round trip, once a process.
+    If not, `Int4Linear` keeps to the kernel for every batch size."""
+    if not _INT4_CPU:
+        return False
+    q = torch.randint(0, 16, (80, 128), generator=torch.Generator().manual_seed(0))
+    q = q.to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+    try:
+        whole = unpack_int4pack(packed, 80, 0, 80)
+        part = unpack_int4pack(packed, 80, 64, 16)
+    except RuntimeError:
+        return False
+    return torch.equal(whole.t().to(torch.int32), q) and torch.equal(
+        part.t().to(torch.int32), q[64:]
+    )
 
 
 class TorchBackend:

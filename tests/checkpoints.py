@@ -128,14 +128,6 @@ def open_checkpoint(path: str | Path):
 
 def prompt_logits(loaded, ids: list[int]) -> torch.Tensor:
     """fp32 logits at every position of `ids`, one prefill through our engine's runner."""
-    from ninfer_core.engine import BlockManager, ModelRunner, Sequence
-    from ninfer_core.kv import KVLayout
-    from plugins.kv_plain import register_kv_codecs
+    from ninfer_core.eval_ppl import sequence_logits
 
-    codec = next(c for c in register_kv_codecs() if c.name == "fp32")
-    cfg = loaded.config
-    blocks = -(-len(ids) // 16) + 1
-    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, blocks)
-    store = codec.allocate(layout, loaded.ops.device, compute_dtype=torch.float32)
-    runner = ModelRunner(loaded.model, store, BlockManager(blocks, 16))
-    return runner.run([(Sequence(ids), len(ids))], all_tokens=True)
+    return sequence_logits(loaded, ids)

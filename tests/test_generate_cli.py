@@ -107,5 +107,5 @@ def test_builtin_model_runs_without_a_model_argument(tmp_path, monkeypatch, caps
     monkeypatch.setenv("NINFER_CACHE", str(tmp_path))
     code, _, err = run(capsys, "--prompt", "Hello", "--max-new", "8", "--seed", "1")
     assert code == 0, err
-    assert "ninfer-builtin-random-v1" in err
+    assert "ninfer-builtin-v1.ninfer" in err
     assert "completion tokens: " in err

@@ -24,16 +24,30 @@ WARMUP_TOKENS = 4
 
 
 @dataclass
-class DecodeBenchConfig:
+class TimedRunConfig:
+    """Timed greedy generation: the options every generation benchmark shares."""
+
+    new: int = opt(64, "tokens generated per timed run (greedy, eos ignored)")
+    prompt_tokens: int = opt(512, "prompt length in tokens (English prose)")
+    threads: int = opt(0, "torch threads; 0: one per available core")
+    repeats: int = opt(1, "timed runs per configuration; each figure is the best of them")
+    out: str | None = opt(None, "where the random checkpoint (and files made from it) is cached")
+    as_json: bool = opt(False, "print the figures as JSON", flag="--json")
+
+    def thread_count(self) -> int:
+        return self.threads or len(os.sched_getaffinity(0))
+
+    def check(self) -> None:
+        """Raise ValueError for counts no run can use (decode speed needs two tokens)."""
+        if self.new < 2 or self.prompt_tokens < 1 or self.repeats < 1:
+            raise ValueError("--new must be at least 2, --prompt-tokens and --repeats at least 1")
+
+
+@dataclass
+class DecodeBenchConfig(TimedRunConfig):
     """Decode benchmark: ninfer against transformers on one checkpoint."""
 
     dtypes: str = opt("bf16,fp32", "comma-separated compute dtypes to run (bf16, fp32)")
-    new: int = opt(64, "tokens generated per timed run (greedy, eos ignored)")
-    prompt_tokens: int = opt(512, "prompt length in tokens (English prose)")
-    threads: int = opt(0, "torch threads for both engines; 0: one per available core")
-    repeats: int = opt(1, "timed runs per engine and dtype; each figure is the best of them")
-    out: str | None = opt(None, "where the random checkpoint is built and cached")
-    as_json: bool = opt(False, "print the figures as JSON", flag="--json")
 
     def dtype_list(self) -> list[str]:
         names = [d.strip() for d in self.dtypes.split(",") if d.strip()]
@@ -41,9 +55,6 @@ class DecodeBenchConfig:
         if unknown or not names:
             raise ValueError(f"--dtypes: unknown {unknown or names}; known: {', '.join(DTYPES)}")
         return names
-
-    def thread_count(self) -> int:
-        return self.threads or len(os.sched_getaffinity(0))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`ninfer bench decode`: decode speed against transformers and the bandwidth ceiling.
+"""`ninfer bench ...`: decode speed against transformers, artifacts, engine, KV, serving.
 
 A benchmark, not a test: it takes minutes and its figures depend on the machine. The
 work is in `ninfer_core.bench`; this module parses options and prints the table.
@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from ninfer_core.bench.decode import DecodeBenchConfig
+from ninfer_core.bench.artifact import ArtifactBenchConfig
+from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
 from ninfer_core.bench.engine import EngineBenchConfig
 from ninfer_core.bench.kv import KVBenchConfig
 from ninfer_core.bench.serve import ServeBenchConfig
@@ -30,40 +31,57 @@ HEADER = (
 )
 
 
+def _bench(
+    benches: argparse._SubParsersAction,
+    name: str,
+    config: type,
+    run,
+    *,
+    help: str,
+    description: str,
+    default: str = "the benchmark checkpoint",
+) -> argparse.ArgumentParser:
+    """One `ninfer bench NAME [MODEL]` subcommand, its options generated from `config`."""
+    p = benches.add_parser(name, help=help, description=description)
+    p.add_argument("model", nargs="?", help=f"model folder (default: {default})")
+    add_config_arguments(p, config)
+    p.set_defaults(run=run)
+    return p
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a reference engine, in one run")
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    d = benches.add_parser(
-        "decode",
+    _bench(
+        benches, "decode", DecodeBenchConfig, run,
         help="decode tok/s of ninfer and transformers generate, bf16 and fp32",
         description="Greedy decode tok/s of ninfer and transformers `generate` on the same "
         "checkpoint (default: Qwen3-0.6B shapes, random weights, the real Qwen vocabulary, "
         "built and cached on first use), with the memory-bandwidth ceiling.",
-    )
-    d.add_argument("model", nargs="?", help="model folder (default: the benchmark checkpoint)")
-    add_config_arguments(d, DecodeBenchConfig)
-    d.set_defaults(run=run)
-    e = benches.add_parser(
-        "engine",
+    )  # fmt: skip
+    _bench(
+        benches, "artifact", ArtifactBenchConfig, run_artifact,
+        help="load time, peak RSS and decode tok/s per .ninfer recipe against the HF folder",
+        description="Converts the checkpoint (default: the benchmark checkpoint) by each "
+        "recipe, then loads the HF folder and every .ninfer in a child process each (load "
+        "time, peak RSS) and decodes greedily with each (tok/s against the bf16 run).",
+    )  # fmt: skip
+    e = _bench(
+        benches, "engine", EngineBenchConfig, run_engine,
         help="C1/C2 time to first token, decode during a prefill, agent turns with the cache",
         description="Scripted workloads through the engine in process (docs/engine.md), each "
         "against its baseline in the same run.",
-    )
-    e.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
+        default="the small built-in model",
+    )  # fmt: skip
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     e.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
-    add_config_arguments(e, EngineBenchConfig)
-    e.set_defaults(run=run_engine)
-    k = benches.add_parser(
-        "kv",
+    k = _bench(
+        benches, "kv", KVBenchConfig, run_kv,
         help="decode tok/s over long cached contexts per KV codec, against fp16",
         description="Decode tok/s at each context per KV codec, the cache filled directly "
         "with random keys and values, against fp16 in the same run.",
-    )
-    k.add_argument("model", nargs="?", help="model folder (default: the benchmark checkpoint)")
+    )  # fmt: skip
     k.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
-    add_config_arguments(k, KVBenchConfig)
-    k.set_defaults(run=run_kv)
     s = benches.add_parser(
         "serve",
         help="TTFT and tok/s of an OpenAI-compatible server (NInfer, vLLM, llama.cpp) at C1, C2",
@@ -100,8 +118,7 @@ def run(ns: argparse.Namespace) -> int:
     from ninfer_core.bench.decode import run_bench
 
     cfg = config_from_args(DecodeBenchConfig, ns)
-    if cfg.new < 2 or cfg.prompt_tokens < 1 or cfg.repeats < 1:
-        raise NInferError("--new must be at least 2, --prompt-tokens and --repeats at least 1")
+    _check(cfg)
     try:
         cfg.dtype_list()
     except ValueError as exc:
@@ -133,6 +150,28 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check(cfg: TimedRunConfig) -> None:
+    try:
+        cfg.check()
+    except ValueError as exc:
+        raise NInferError(str(exc)) from None
+
+
+def run_artifact(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.artifact import render, run_bench
+
+    cfg = config_from_args(ArtifactBenchConfig, ns)
+    _check(cfg)
+    cfg.recipe_list()  # an unknown recipe fails before anything is converted
+    result = run_bench(cfg, ns.model)
+    if cfg.as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(render(result))
+    return 0
+
+
 def _load(model: str | None, default, dtype: str):
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
@@ -150,10 +189,10 @@ def _load(model: str | None, default, dtype: str):
 
 def run_engine(ns: argparse.Namespace) -> int:
     from ninfer_core.bench.engine import bench_agent, bench_concurrency
-    from ninfer_core.builtin_model import ensure_builtin_model
+    from ninfer_core.builtin_model import default_model
 
     cfg = config_from_args(EngineBenchConfig, ns)
-    loaded, host, device = _load(ns.model, ensure_builtin_model, ns.dtype)
+    loaded, host, device = _load(ns.model, default_model, ns.dtype)
     result = {"model": str(loaded.path), **bench_concurrency(loaded, host, device, cfg)}
     result |= bench_agent(loaded, host, device, cfg)
     if ns.as_json:

@@ -56,7 +56,7 @@ def read_messages(path: str) -> tuple[list[dict], list[dict] | None]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ninfer_core.builtin_model import ensure_builtin_model
+    from ninfer_core.builtin_model import default_model
     from ninfer_core.device import probe_device
     from ninfer_core.generation import GenerationStats, Request, Session
     from ninfer_core.loading import load_model
@@ -79,7 +79,7 @@ def run(ns: argparse.Namespace) -> int:
 
     host = create_host()
     device = probe_device()
-    path = ns.model or str(ensure_builtin_model())
+    path = ns.model or str(default_model())
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     session = Session(loaded, host=host, device=device, runtime=runtime, seed=ns.seed)
     if gen.messages is not None:

@@ -20,6 +20,7 @@ COMMANDS = {
     "pull": "ninfer_core.cli.pull_cmd",
     "convert": "ninfer_core.cli.convert_cmd",
     "inspect": "ninfer_core.cli.inspect_cmd",
+    "eval-ppl": "ninfer_core.cli.eval_ppl_cmd",
 }
 
 

@@ -1,7 +1,8 @@
 """`ninfer plan`: where memory would go at startup, for this machine or a named card.
 
-Reads only the model's config and tensor headers (no weights are loaded), so it answers
-for a 24 GiB card on a laptop: `ninfer plan MODEL --device-spec rtx3090 --kv-dtype rk8v4`.
+Reads only the model's config and tensor headers (no weights are loaded; a `.ninfer`
+file's headers give each tensor's format and size), so it answers for a 24 GiB card on
+a laptop: `ninfer plan MODEL --device-spec rtx3090 --kv-dtype rk8v4`.
 Options are the ones `ninfer-serve` takes, generated from the same config dataclasses.
 """
 
@@ -21,6 +22,7 @@ from ninfer_core.errors import NInferError
 from ninfer_core.memory.planner import (
     MemoryConfig,
     MemoryPlan,
+    PackedBytes,
     device_memory,
     parse_kv_capacity,
     plan_memory,
@@ -47,27 +49,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _packs_head_copy(host: PluginHost, device: DeviceInfo, backend: str, dtype) -> bool:
-    """Whether the kernel backend would pack a tied head as a second matrix.
+def _packed_bytes(
+    host: PluginHost, device: DeviceInfo, backend: str, dtype: torch.dtype
+) -> PackedBytes | None:
+    """What the kernel backend packs each projection into, or None: it repacks nothing.
 
-    Asked of the backend itself with a 1x1 weight; only on the CPU, where packing
-    happens and asking touches no GPU.
+    Asked of the backend itself (`packed_nbytes`, from shapes alone; a backend without
+    it is probed with a 1x1 dense weight); only on the CPU, where packing happens and
+    asking touches no GPU.
     """
+    from ninfer_core.quant.formats import weight_format
     from ninfer_core.selection import choose
 
     if device.cuda is not None:
-        return False
+        return None
     chosen = choose(host, "kernel_backends", device, backend).chosen
     if chosen is None:
-        return False
+        return None
     ops = host.kernel_backends.get(chosen).create_ops(device)
+    sizer = getattr(ops, "packed_nbytes", None)
+    if sizer is not None:
+        return lambda fmt, shape: sizer(fmt, shape, dtype=dtype)
     weight = torch.zeros(1, 1, dtype=dtype)
-    return ops.pack_linear(weight) is not weight
+    if ops.pack_linear(weight) is weight:
+        return None
+    return lambda fmt, shape: (
+        None if weight_format(fmt).quantized else shape[0] * shape[1] * dtype.itemsize
+    )
 
 
 def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     """The plan for the parsed options, and what it was made for (model, device)."""
-    from ninfer_core.builtin_model import ensure_builtin_model
+    from ninfer_core.builtin_model import default_model
     from ninfer_core.device import probe_device, simulated_device
     from ninfer_core.loading import DTYPES, compute_dtype, family_and_config, open_artifact
     from ninfer_core.plugin_host import create_host
@@ -88,13 +101,11 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     if codec_name is None:
         raise NInferError("no KV codec supports this device (see `ninfer probe`)")
     codec = host.kv_codecs.get(codec_name)
-    path = ns.model or str(ensure_builtin_model())
+    path = ns.model or str(default_model())
     artifact = open_artifact(host, path)
     _, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
-    head_copy = config.tie_word_embeddings and _packs_head_copy(
-        host, device, runtime.gemm_backend, dtype
-    )
+    packed = _packed_bytes(host, device, runtime.gemm_backend, dtype)
     workspace = estimate_workspace(
         config,
         dtype=dtype,
@@ -105,7 +116,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     )
     plan = plan_memory(
         config,
-        weights_bytes=weights_bytes(config, dtype, artifact=artifact, head_copy=head_copy),
+        weights_bytes=weights_bytes(config, dtype, artifact=artifact, packed_bytes=packed),
         weights_dtype={v: k for k, v in DTYPES.items()}[dtype],
         codec=codec,
         memory=device_memory(device, memory_budget=memory_cfg.memory_budget),

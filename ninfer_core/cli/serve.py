@@ -211,7 +211,7 @@ def load_state(
 ) -> ServeState:
     import torch
 
-    from ninfer_core.builtin_model import ensure_builtin_model
+    from ninfer_core.builtin_model import default_model
     from ninfer_core.engine.engine import Engine
     from ninfer_core.loading import load_model
     from ninfer_core.serve.state import ServeOptions, ServeState
@@ -219,7 +219,7 @@ def load_state(
 
     if runtime.threads > 0:
         torch.set_num_threads(runtime.threads)
-    loaded = load_model(model or ensure_builtin_model(), host=host, device=device, runtime=runtime)
+    loaded = load_model(model or default_model(), host=host, device=device, runtime=runtime)
     engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype)
     tokenizer = engine.tokenizer
     options = ServeOptions(

@@ -1,10 +1,11 @@
 """`plan_memory`: where a device's memory goes at startup, decided before anything is allocated.
 
 The plan is pure accounting over numbers its caller gathers: the weights' bytes (from the
-artifact's shapes, never its data), the KV codec's bytes per token, layer by layer, the
-activation workspace (`workspace.py`) and the memory free on the device. So `ninfer plan`
-can answer for a card this machine does not have, and `ninfer-serve` can refuse a
-configuration that will not fit before it loads a single weight.
+artifact's shapes, formats and object sizes and the kernel backend's packing, never its
+data), the KV codec's bytes per token, layer by layer, the activation workspace
+(`workspace.py`) and the memory free on the device. So `ninfer plan` can answer for a
+card this machine does not have, and `ninfer-serve` can refuse a configuration that will
+not fit before it loads a single weight.
 
 `--kv-capacity auto` gives the pool whatever is left after weights, workspace and a
 headroom that is a fraction of the memory being divided, not a fixed amount: a fixed GiB
@@ -14,6 +15,7 @@ is too much for a small budget and too little for an 80 GiB card.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
@@ -23,6 +25,8 @@ from ninfer_core.config import opt
 from ninfer_core.errors import NInferError
 from ninfer_core.memory.workspace import Workspace
 from ninfer_core.model.config import ModelConfig
+from ninfer_core.quant.formats import weight_format
+from ninfer_core.quant.recipes import source_format
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -119,26 +123,84 @@ def kv_layers(config: ModelConfig, codec: KVCodecLike) -> list[LayerKV]:
     ]
 
 
-def weights_bytes(
-    config: ModelConfig, dtype: torch.dtype, *, artifact: Any = None, head_copy: bool = False
-) -> int:
-    """Bytes the runtime holds for the weights: every tensor it loads, cast to `dtype`.
+#: Parameters the kernel backend's `pack_linear` sees (`DenseDecoder.pack_weights`): a
+#: packed projection replaces the loaded matrix; the head is packed too (a tied one as a copy).
+PACKED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
-    With `artifact`, shapes come from its headers (and are checked against `config`);
-    without, from `config` alone. Tensors the family skips (a tied model's `lm_head`,
-    extra MTP layers) cost nothing. `head_copy`: the kernel backend packs a tied head as
-    its own copy (the torch backend does on the CPU), which costs one more head matrix.
-    """
+#: `(format name, [rows, cols]) -> bytes` the kernel backend's packed form of such a
+#: matrix holds, or None where it keeps the matrix as loaded (see `TorchOps.packed_nbytes`).
+PackedBytes = Callable[[str, tuple[int, int]], "int | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Param:
+    """One runtime parameter: the checkpoint tensors fused into it, and their format."""
+
+    name: str
+    shape: tuple[int, ...]
+    fmt: str
+    stored: int  # bytes of its tensors as the artifact stores them
+
+
+def _params(config: ModelConfig, dtype: torch.dtype, artifact: Any) -> list[_Param]:
+    """Every parameter with its fused shape; formats and stored sizes from the artifact
+    (a `.ninfer` names each tensor's format and object size), else dense `dtype`."""
     from ninfer_core.model.weights import check_weights, weight_plan
 
-    if artifact is None:
-        shapes = [slot.shape for slot in weight_plan(config)]
-    else:
-        shapes = [artifact.tensor_shape(slot.hf_name) for slot in check_weights(config, artifact)]
-    count = sum(math.prod(shape) for shape in shapes)
-    if head_copy:
-        count += config.vocab_size * config.hidden_size
-    return count * dtype.itemsize
+    dense = source_format(dtype)
+    slots = weight_plan(config) if artifact is None else check_weights(config, artifact)
+    fmt_of = getattr(artifact, "tensor_format", None)
+    table = getattr(artifact, "object_table", None)
+    sizes = {rec.name: rec.nbytes for rec in table()} if table else {}
+    groups: dict[str, list] = {}
+    for slot in slots:
+        groups.setdefault(slot.param, []).append(slot)
+    out = []
+    for name, group in groups.items():
+        rows = sum(slot.shape[0] for slot in group)
+        shape = (rows, *group[0].shape[1:])
+        fmt = (fmt_of(group[0].hf_name) if fmt_of else "") or dense
+        if not weight_format(fmt).quantized:
+            fmt, stored = dense, math.prod(shape) * dtype.itemsize  # cast on loading
+        else:
+            stored = sum(
+                sizes.get(s.hf_name) or weight_format(fmt).stored_nbytes(s.shape) for s in group
+            )
+        out.append(_Param(name, shape, fmt, stored))
+    return out
+
+
+def weights_bytes(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    artifact: Any = None,
+    packed_bytes: PackedBytes | None = None,
+) -> int:
+    """Bytes the runtime holds for the weights, as loaded and then packed.
+
+    With `artifact`, shapes (and, for a `.ninfer`, formats and object sizes) come from
+    its headers, checked against `config`; without, from `config` alone. A dense tensor
+    is cast to `dtype`; a quantized one keeps its stored codes and scales. Tensors the
+    family skips (a tied model's `lm_head`, extra MTP layers) cost nothing.
+
+    `packed_bytes`: what the kernel backend packs each projection into (the torch
+    backend on the CPU: 0.5 byte a weight for Q4, 1 for Q5/Q6/W8, plus scales). A packed
+    projection costs its packed bytes instead of its loaded ones; a tied head packed as
+    its own copy costs them on top of the embedding. None: nothing is repacked.
+    """
+    total = 0
+    for param in _params(config, dtype, artifact):
+        packed = None
+        tied_head = param.name == "embed_tokens" and config.tie_word_embeddings
+        projection = tied_head or param.name.rpartition(".")[2] in PACKED_PARAMS
+        if packed_bytes is not None and projection and len(param.shape) == 2:
+            packed = packed_bytes(param.fmt, (param.shape[0], param.shape[1]))
+        if tied_head:
+            total += param.stored + (packed or 0)  # the lookup keeps the loaded matrix
+        else:
+            total += param.stored if packed is None else packed
+    return total
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,102 @@
+"""Perplexity of a model on a text file, computed by NInfer's own runner.
+
+The text is tokenized as is (special tokens written in it, such as `<|im_start|>` in a
+chat transcript, become their ids) and cut into non-overlapping windows of `context`
+tokens; each window is one prefill and scores every token after its first. Windows do
+not carry context over, so the figure depends on `context` and is comparable only at
+the same window length (the usual fixed-window perplexity, as in llama.cpp's
+`perplexity` with its default of non-overlapping chunks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.errors import NInferError
+from ninfer_core.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """Summed negative log-likelihood over `tokens` scored tokens."""
+
+    tokens: int
+    nll: float
+    windows: int
+    context: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    @property
+    def bits_per_token(self) -> float:
+        return self.nll / self.tokens / math.log(2)
+
+
+def sequence_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [len(ids), vocab] at every position: one prefill through the runner,
+    into a throwaway fp32 KV cache just large enough for `ids`."""
+    from ninfer_core.engine import BlockManager, ModelRunner, Sequence
+    from ninfer_core.kv import KVLayout
+    from plugins.kv_plain import register_kv_codecs
+
+    codec = next(c for c in register_kv_codecs() if c.name == "fp32")
+    cfg = loaded.config
+    block = 16
+    blocks = -(-len(ids) // block) + 1
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, blocks)
+    store = codec.allocate(layout, loaded.ops.device, compute_dtype=torch.float32)
+    runner = ModelRunner(loaded.model, store, BlockManager(blocks, block))
+    return runner.run([(Sequence(ids), len(ids))], all_tokens=True)
+
+
+def eval_ppl(loaded: LoadedModel, ids: list[int], *, context: int = 512) -> Perplexity:
+    """Perplexity of `ids` in windows of `context` tokens."""
+    if context < 2:
+        raise NInferError(f"--context must be at least 2 tokens, got {context}")
+    nll, scored, windows = 0.0, 0, 0
+    for start in range(0, len(ids), context):
+        window = ids[start : start + context]
+        if len(window) < 2:
+            break
+        logits = sequence_logits(loaded, window)[:-1]
+        target = torch.tensor(window[1:], device=logits.device)
+        nll += float(F.cross_entropy(logits.double(), target, reduction="sum"))
+        scored += len(window) - 1
+        windows += 1
+    if not scored:
+        raise NInferError("the text is shorter than two tokens; nothing to score")
+    return Perplexity(tokens=scored, nll=nll, windows=windows, context=context)
+
+
+def eval_ppl_file(
+    model: str | Path,
+    text_file: str | Path,
+    *,
+    context: int = 512,
+    max_tokens: int | None = None,
+    runtime: RuntimeConfig | None = None,
+) -> Perplexity:
+    """Load `model` (an HF folder or `.ninfer` file) and score `text_file` with it."""
+    from ninfer_core.device import probe_device
+    from ninfer_core.loading import load_model
+    from ninfer_core.plugin_host import create_host
+    from ninfer_core.text.tokenizer import Tokenizer
+
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise NInferError(f"{text_file}: cannot read text: {exc}") from None
+    runtime = runtime or RuntimeConfig()
+    loaded = load_model(model, host=create_host(), device=probe_device(), runtime=runtime)
+    ids = Tokenizer.from_artifact(loaded.artifact).encode(text, add_special_tokens=False)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return eval_ppl(loaded, ids, context=context)
