@@ -27,10 +27,8 @@ RANDOM_NAME = "ninfer-builtin-random-v1"
 SEED = 20261202
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
 
-CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 256 + len(SPECIAL_TOKENS),
+#: The decoder's shape, shared by the random model and the trained one.
+SHAPE = {
     "hidden_size": 256,
     "intermediate_size": 768,
     "num_hidden_layers": 4,
@@ -38,9 +36,16 @@ CONFIG = {
     "num_key_value_heads": 4,
     "head_dim": 32,
     "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 256 + len(SPECIAL_TOKENS),
+    **SHAPE,
     "rope_theta": 1000000.0,
     "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
     "torch_dtype": "float32",
     "bos_token_id": None,
     "eos_token_id": 256 + 2,
@@ -80,6 +85,16 @@ CHAT_TEMPLATE = """\
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
+
+
+#: tokenizer_config.json of both built-in models (their tokenizers share the special tokens)
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "bos_token": None,
+    "chat_template": CHAT_TEMPLATE,
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -163,14 +178,7 @@ def ensure_random_model(path: Path | None = None) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
     (tmp / "tokenizer.json").write_text(_tokenizer_json())
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
     (tmp / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [256 + 2, 256 + 0], "do_sample": False})
     )

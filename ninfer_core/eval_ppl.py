@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.errors import NInferError
-from ninfer_core.loading import LoadedModel
+from ninfer_core.loading import LoadedModel, load_model
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,6 @@ def eval_ppl_file(
 ) -> Perplexity:
     """Load `model` (an HF folder or `.ninfer` file) and score `text_file` with it."""
     from ninfer_core.device import probe_device
-    from ninfer_core.loading import load_model
     from ninfer_core.plugin_host import create_host
     from ninfer_core.text.tokenizer import Tokenizer
 

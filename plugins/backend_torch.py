@@ -61,7 +61,7 @@ class TorchOps(KernelOps):
         A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`;
         otherwise it stays as it is and `linear` runs the exact reference path."""
         if isinstance(w, QuantizedTensor):
-            if int4_supported(w, self.device, dtype):
+            if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             return w
         if self.device.type != "cpu" or w.dtype != torch.bfloat16 or not _MKLDNN:
@@ -172,11 +172,6 @@ def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, G, L]
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(1, h, d)  # [Hkv, G, D] -> [1, H, D]
-
-
-def int4_supported(w: QuantizedTensor, device: torch.device, dtype: torch.dtype | None) -> bool:
-    """Whether `Int4Linear` can run `w` for `dtype` activations on `device`."""
-    return int4_format_supported(w.fmt, device, dtype)
 
 
 def int4_format_supported(

@@ -37,29 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from builtin_corpus import DOC_SEP, Corpus, build_corpus, write_heldout
 
-from ninfer_core.builtin_model import (
-    BUILTIN_ARTIFACT,
-    BUILTIN_NAME,
-    CHAT_TEMPLATE,
-)
+from ninfer_core.builtin_model import BUILTIN_ARTIFACT, BUILTIN_NAME, SHAPE, TOKENIZER_CONFIG
 
 SEED = 20261203
 VOCAB = 4096
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: added as ordinary tokens so they stay in decoded text for the tool-call parser
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-CONFIG = {
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-}
+#: the shipped decoder's shape (`SHAPE`) with the trained model's position settings
+CONFIG = {**SHAPE, "rope_theta": 10000.0, "max_position_embeddings": 2048}
 #: share of training windows drawn from each source
 MIX = {"code": 0.5, "tools": 0.3, "docs": 0.2}
 MTP_WEIGHT = 0.3
@@ -134,20 +120,24 @@ def build_model(seed: int):
     return Qwen3ForCausalLM(config), MTPHead(config)
 
 
-def losses(model, mtp, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(next-token loss, MTP loss) for a batch of windows."""
+def head_logits(model, mtp, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(main-head logits for tokens 1.., MTP logits for tokens 2..) of windows `ids` [B, T]:
+    the MTP layer at position t reads hidden[t] and the embedding of token t + 1."""
     body = model.model
     hidden = body(input_ids=ids).last_hidden_state
-    main = F.cross_entropy(
-        model.lm_head(hidden[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten()
-    )
-    length = ids.shape[1] - 1
-    pos = torch.arange(length).unsqueeze(0)
     next_embeds = body.embed_tokens(ids[:, 1:])
-    rope = body.rotary_emb(next_embeds, pos)
+    rope = body.rotary_emb(next_embeds, torch.arange(ids.shape[1] - 1).unsqueeze(0))
     x = mtp(next_embeds, hidden[:, :-1], rope)
-    extra = F.cross_entropy(model.lm_head(x[:, :-1]).flatten(0, 1).float(), ids[:, 2:].flatten())
-    return main, extra
+    return model.lm_head(hidden[:, :-1]), model.lm_head(x[:, :-1])
+
+
+def losses(model, mtp, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token loss, MTP loss) for a batch of windows."""
+    main, extra = head_logits(model, mtp, ids)
+    return (
+        F.cross_entropy(main.flatten(0, 1).float(), ids[:, 1:].flatten()),
+        F.cross_entropy(extra.flatten(0, 1).float(), ids[:, 2:].flatten()),
+    )
 
 
 def windows(streams: dict[str, torch.Tensor], rng: torch.Generator, batch: int, seq: int):
@@ -173,15 +163,11 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 @torch.no_grad()
 def mtp_accuracy(model, mtp, stream: torch.Tensor, seq: int, limit: int) -> dict:
     """Top-1 of the MTP head (token t+2) and of the main head (t+1) on held-out text."""
-    body = model.model
     hit_mtp = hit_main = total = 0
     for start in range(0, min(len(stream), limit) - seq - 1, seq):
         ids = stream[start : start + seq + 1].unsqueeze(0)
-        hidden = body(input_ids=ids).last_hidden_state
-        main = model.lm_head(hidden[:, :-2]).argmax(-1)
-        next_embeds = body.embed_tokens(ids[:, 1:])
-        rope = body.rotary_emb(next_embeds, torch.arange(seq).unsqueeze(0))
-        pred = model.lm_head(mtp(next_embeds, hidden[:, :-1], rope)[:, :-1]).argmax(-1)
+        main, extra = head_logits(model, mtp, ids)
+        main, pred = main[:, :-1].argmax(-1), extra.argmax(-1)  # both scored on tokens 2..
         hit_mtp += int((pred == ids[:, 2:]).sum())
         hit_main += int((main == ids[:, 1:-1]).sum())
         total += seq - 1
@@ -204,33 +190,22 @@ def save_hf(model, mtp, out: Path) -> Path:
     config.pop("attn_implementation", None)
     (hf / "config.json").write_text(json.dumps(config, indent=2))
     shutil.copy(out / "tokenizer.json", hf / "tokenizer.json")
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (hf / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (hf / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
     generation = {"eos_token_id": [2, 0], "temperature": 0.7, "top_p": 0.9, "do_sample": True}
     (hf / "generation_config.json").write_text(json.dumps(generation))
     return hf
 
 
 def evaluate(hf: Path, heldout: dict[str, Path], out: Path, context: int, max_tokens: int) -> dict:
-    """Held-out perplexity per recipe (through NInfer itself) and of a random init."""
+    """Convert to each recipe; its size and held-out perplexity (through NInfer itself)."""
     from ninfer_core.convert import convert
-    from ninfer_core.eval_ppl import eval_ppl_file
 
     result: dict[str, dict] = {}
     for name in RECIPES:
         path = out / f"builtin-{name}.ninfer"
         summary = convert(hf, path, recipe_name=name, model_id=BUILTIN_NAME)
         result[name] = {"bytes": path.stat().st_size, "bits_per_weight": summary.bits_per_weight}
-        for source, file in heldout.items():
-            result[name][source] = eval_ppl_file(
-                path, file, context=context, max_tokens=max_tokens
-            ).perplexity
+        result[name] |= heldout_perplexity(path, heldout, context, max_tokens)
         print(name, result[name], flush=True)
     return result
 
@@ -301,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     rand_dir.mkdir(exist_ok=True)
     shutil.copy(ns.out / "tokenizer.json", rand_dir / "tokenizer.json")
     save_hf(rand_model, rand_mtp, rand_dir)
-    random_ppl = evaluate_random(rand_dir / "hf", heldout, ns.seq, ns.eval_tokens)
+    random_ppl = heldout_perplexity(rand_dir / "hf", heldout, ns.seq, ns.eval_tokens)
     report = {
         "seed": SEED,
         "python": sys.version.split()[0],
@@ -326,13 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def evaluate_random(
-    hf: Path, heldout: dict[str, Path], context: int, max_tokens: int
+def heldout_perplexity(
+    model: Path, heldout: dict[str, Path], context: int, max_tokens: int
 ) -> dict[str, float]:
+    """Perplexity of `model` on each held-out file, through `ninfer eval-ppl`'s code."""
     from ninfer_core.eval_ppl import eval_ppl_file
 
     return {
-        source: eval_ppl_file(hf, file, context=context, max_tokens=max_tokens).perplexity
+        source: eval_ppl_file(model, file, context=context, max_tokens=max_tokens).perplexity
         for source, file in heldout.items()
     }
 
