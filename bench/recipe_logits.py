@@ -7,6 +7,11 @@ positions whose top-1 token agrees. The figures are the weights' quantization al
 when the compute is fp32 (the default), since both sides then run the same arithmetic.
 
     python bench/recipe_logits.py --prompts 4 --tokens 64 --threads 2
+    python bench/recipe_logits.py build/builtin/hf --text build/builtin/heldout-code.txt
+
+The second form measures a trained model (the built-in one's HF folder, as the training
+script leaves it) on its own held-out text, where logits are far from flat and top-1
+agreement means more than on random weights.
 """
 
 from __future__ import annotations
@@ -35,17 +40,29 @@ def logits_for(path: Path, prompts: list[list[int]], dtype: str) -> list[torch.T
     return out
 
 
-def compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(relative RMS error over every logit, top-1 agreement over positions)."""
-    err = ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
-    return err, (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+def text_ids(model: Path, text: Path | None, n: int) -> list[int]:
+    """The first `n` ids of `text` (default: the benchmark's prose) in the model's tokenizer."""
+    from tokenizers import Tokenizer
+
+    from ninfer_core.bench.checkpoint import prompt_ids
+
+    if text is None:
+        return prompt_ids(model, n)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    ids = tok.encode(text.read_text(), add_special_tokens=False).ids
+    if len(ids) < n:
+        raise SystemExit(f"{text} holds {len(ids)} tokens, fewer than the {n} asked for")
+    return ids[:n]
 
 
 def main() -> None:
+    from ninfer_core.bench.agreement import logit_agreement
     from ninfer_core.bench.artifact import ensure_ninfer
-    from ninfer_core.bench.checkpoint import ensure_checkpoint, prompt_ids
+    from ninfer_core.bench.checkpoint import ensure_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", type=Path, help="HF folder (default: the 0.6B checkpoint)")
+    p.add_argument("--text", type=Path, help="prompt text file (default: English prose)")
     p.add_argument("--recipes", default="bf16,w8,q6,mixed,q4")
     p.add_argument("--prompts", type=int, default=4, help="fixed prompts (prose, in turn)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
@@ -54,21 +71,21 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    source = ensure_checkpoint()
-    ids = prompt_ids(source, args.prompts * args.tokens)
+    source = args.model or ensure_checkpoint()
+    ids = text_ids(source, args.text, args.prompts * args.tokens)
     prompts = [ids[i * args.tokens : (i + 1) * args.tokens] for i in range(args.prompts)]
     start = time.perf_counter()
     reference = logits_for(source, prompts, args.dtype)
     print(f"{source}: {args.prompts} prompts x {args.tokens} tokens, {args.dtype} compute, "
-          f"{args.threads} threads; against the bf16 HF folder")  # fmt: skip
+          f"{args.threads} threads; against the HF folder itself")  # fmt: skip
     print("| recipe | file GiB | rel. RMS of logits (mean / worst) | top-1 agree (mean / worst) |")
     print("| --- | --- | --- | --- |")
     for name in args.recipes.split(","):
         path = ensure_ninfer(source, name, 3)
         size = sum(f.stat().st_size for f in path.parent.glob(path.name + "*")) / 2**30
-        rows = [compare(g, r) for g, r in zip(logits_for(path, prompts, args.dtype), reference,
-                                             strict=True)]  # fmt: skip
-        errs, agree = [r[0] for r in rows], [r[1] for r in rows]
+        got = logits_for(path, prompts, args.dtype)
+        rows = [logit_agreement(g, r) for g, r in zip(got, reference, strict=True)]
+        errs, agree = [r.rel_rms for r in rows], [r.top1 for r in rows]
         print(f"| {name} | {size:.2f} | {sum(errs) / len(errs):.4f} / {max(errs):.4f} | "
               f"{sum(agree) / len(agree):.3f} / {min(agree):.3f} |", flush=True)  # fmt: skip
     print(f"({time.perf_counter() - start:.0f} s)")

@@ -13,6 +13,22 @@ from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--retrain", action="store_true", help="run the tests that retrain the built-in model"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`retrain` tests take about 20 minutes, so they run only when asked for."""
+    if config.getoption("--retrain"):
+        return
+    skip = pytest.mark.skip(reason="retrains the built-in model (~20 min); run with --retrain")
+    for item in items:
+        if "retrain" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny GEMMs: a second intra-op thread only adds spin-waits (40x slower on a busy box).

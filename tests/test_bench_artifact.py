@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from checkpoints import write_tiny_qwen3
 from text_fixtures import write_model_dir
 
-from ninfer_core.bench.artifact import add_ratios, render
+from ninfer_core.bench.artifact import add_ratios, peak_rss_bytes, render
 from ninfer_core.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -76,3 +78,14 @@ def test_decode_falls_back_to_the_folder_without_a_bf16_run():
         2.5,
     )
     assert rows[1]["decode_baseline"] == "hf-folder"
+
+
+def test_a_child_reports_its_own_peak_rss_not_the_parents(tmp_path):
+    """Linux keeps `ru_maxrss` across exec, so a child forked from a large process would
+    report the parent's peak; each load's figure must be its own."""
+    ballast = torch.ones(2**28, dtype=torch.int32)  # 1 GiB, touched
+    code = "from ninfer_core.bench.artifact import peak_rss_bytes; print(peak_rss_bytes())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    child = int(done.stdout.strip())
+    assert 0 < child < ballast.numel() * ballast.element_size()
+    assert peak_rss_bytes() > ballast.numel() * ballast.element_size()

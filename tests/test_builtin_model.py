@@ -48,6 +48,7 @@ def test_the_shipped_file_is_a_small_mixed_v3_artifact_with_an_mtp_head():
     assert art.version == 3
     assert BUILTIN_ARTIFACT.name == f"{BUILTIN_NAME}.ninfer"
     assert art.header.recipe["name"] == "mixed"
+    assert art.header.identity["model_id"] == BUILTIN_NAME
     assert {"text", "mtp"} <= set(art.components)
     assert BUILTIN_ARTIFACT.stat().st_size < 6 * 2**20
     assert art.verify() == []

@@ -10,6 +10,7 @@ from checkpoints import prompt_logits, write_tiny_qwen3
 from text_fixtures import write_model_dir
 
 from ninfer_core.artifact.reader import open_container
+from ninfer_core.bench.agreement import logit_agreement
 from ninfer_core.cli.main import main
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.convert import component_of, convert
@@ -66,11 +67,9 @@ def test_quantized_recipes_stay_within_their_bound(folder, reference, tmp_path, 
     out = tmp_path / f"{name}.ninfer"
     summary = convert(folder, out, recipe_name=name)
     loaded = _load(out)
-    errs, agree = [], []
-    for ids, ref in zip(PROMPTS, reference, strict=True):
-        got = prompt_logits(loaded, ids)
-        errs.append(((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item())
-        agree.append((got.argmax(-1) == ref.argmax(-1)).float().mean().item())
+    pairs = zip(PROMPTS, reference, strict=True)
+    rows = [logit_agreement(prompt_logits(loaded, ids), ref) for ids, ref in pairs]
+    errs, agree = [r.rel_rms for r in rows], [r.top1 for r in rows]
     max_err, min_agree = RECIPE_BOUNDS[name]
     assert max(errs) < max_err, errs
     assert min(errs) > 0  # the weights really are quantized

@@ -18,6 +18,7 @@ from checkpoints import open_checkpoint, write_tiny_qwen3
 import plugins.kv_fp8
 import plugins.kv_int8
 import plugins.kv_rk8v4
+from ninfer_core.bench.agreement import logit_agreement, rel_rms
 from ninfer_core.device import probe_device, simulated_device
 from ninfer_core.engine import BlockManager, ModelRunner, Sequence
 from ninfer_core.errors import UnsupportedChoiceError
@@ -51,10 +52,6 @@ def codec_host() -> PluginHost:
 HOST = codec_host()
 CODECS = {e.name: e.obj for e in HOST.kv_codecs.entries()}
 CPU = probe_device(use_cuda=False)
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 # --------------------------------------------------------------------------
@@ -456,9 +453,8 @@ def measure_end_to_end(path, kv: str, reference=None) -> tuple[float, float]:
             seq.append_token(token)
             out = runner.run([(seq, 1)])
         runner.block_manager.free(seq)
-    got = torch.stack(logits)
-    top1 = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
-    return rel_rms(got, ref), top1
+    agreement = logit_agreement(torch.stack(logits), ref)
+    return agreement.rel_rms, agreement.top1
 
 
 @pytest.fixture(scope="module")

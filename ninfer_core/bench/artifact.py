@@ -39,11 +39,32 @@ class ArtifactBenchConfig(TimedRunConfig):
         return names
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it last exec'd.
+
+    Linux keeps `ru_maxrss` across `execve`, so a child forked from a process that
+    had already grown reports the parent's peak; `VmHWM` belongs to the new address
+    space and starts from zero. Where there is no /proc, `ru_maxrss` (KiB on Linux,
+    bytes on macOS) is the best there is.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def measure_load(path: Path, threads: int) -> dict:
     """Load `path` (bf16 compute) in a child process: seconds, peak RSS, weight bytes."""
     code = (
-        "import json, resource, sys, time, torch\n"
+        "import json, sys, time, torch\n"
         "torch.set_num_threads(int(sys.argv[2]))\n"
+        "from ninfer_core.bench.artifact import peak_rss_bytes\n"
         "from ninfer_core.config import RuntimeConfig\n"
         "from ninfer_core.device import probe_device\n"
         "from ninfer_core.loading import load_model\n"
@@ -52,8 +73,7 @@ def measure_load(path: Path, threads: int) -> dict:
         "m = load_model(sys.argv[1], host=create_host(), device=probe_device(),\n"
         "               runtime=RuntimeConfig(dtype='bf16'))\n"
         "seconds = time.perf_counter() - start\n"
-        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "print(json.dumps({'load_s': seconds, 'peak_rss': rss,\n"
+        "print(json.dumps({'load_s': seconds, 'peak_rss': peak_rss_bytes(),\n"
         "                  'weight_bytes': m.model.weight_bytes()}))\n"
     )
     done = subprocess.run(
