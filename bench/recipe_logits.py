@@ -78,15 +78,15 @@ def main() -> None:
     reference = logits_for(source, prompts, args.dtype)
     print(f"{source}: {args.prompts} prompts x {args.tokens} tokens, {args.dtype} compute, "
           f"{args.threads} threads; against the HF folder itself")  # fmt: skip
-    print("| recipe | file GiB | rel. RMS of logits (mean / worst) | top-1 agree (mean / worst) |")
+    print("| recipe | file MiB | rel. RMS of logits (mean / worst) | top-1 agree (mean / worst) |")
     print("| --- | --- | --- | --- |")
     for name in args.recipes.split(","):
         path = ensure_ninfer(source, name, 3)
-        size = sum(f.stat().st_size for f in path.parent.glob(path.name + "*")) / 2**30
+        size = sum(f.stat().st_size for f in path.parent.glob(path.name + "*")) / 2**20
         got = logits_for(path, prompts, args.dtype)
         rows = [logit_agreement(g, r) for g, r in zip(got, reference, strict=True)]
         errs, agree = [r.rel_rms for r in rows], [r.top1 for r in rows]
-        print(f"| {name} | {size:.2f} | {sum(errs) / len(errs):.4f} / {max(errs):.4f} | "
+        print(f"| {name} | {size:.1f} | {sum(errs) / len(errs):.4f} / {max(errs):.4f} | "
               f"{sum(agree) / len(agree):.3f} / {min(agree):.3f} |", flush=True)  # fmt: skip
     print(f"({time.perf_counter() - start:.0f} s)")
 

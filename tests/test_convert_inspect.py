@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 #: logits, fp32 compute, over PROMPTS on this 3-layer random-weight checkpoint; measured
 #: (worst prompt) w8 0.027 / 0.96, q6 0.12 / 0.75, mixed 0.43 / 0.46, q4 0.50 / 0.25. A
 #: random network passes weight noise on almost undamped (about sqrt(21 matrices) x the
-#: per-weight error), so these are loose; docs/artifact-format.md has the 0.6B figures.
+#: per-weight error), so these are loose; docs/quantization.md has the 0.6B figures.
 RECIPE_BOUNDS = {"w8": (0.04, 0.9), "q6": (0.16, 0.6), "mixed": (0.6, 0.3), "q4": (0.7, 0.15)}
 PROMPTS = [torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(s)).tolist()
            for s in range(3)]  # fmt: skip
