@@ -127,36 +127,45 @@ class TorchOps(KernelOps):
             start = plan["starts"][i]
             qi = q[start : start + qlen]  # [Q, H, D]
             table = meta.block_tables[i, : -(-ctx // bs)]
-            k, v = gather_heads(kv_store, layer, table, ctx, q.dtype)  # [Hkv, L, D]
+            k, v, rotation = gather_heads(kv_store, layer, table, ctx, q.dtype)  # [Hkv, L, D]
+            if rotation is not None:  # (qH)·(kH) = q·k; the output comes back by Hᵀ
+                qi = rotation.forward(qi).to(q.dtype)
             if qlen == 1:
-                outs.append(_decode_one(qi, k, v, scale))
-                continue
-            mask = plan["masks"][i]
-            out = F.scaled_dot_product_attention(
-                qi.transpose(0, 1)[None],
-                k[None],
-                v[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )  # [1, H, Q, D]
-            outs.append(out[0].transpose(0, 1))
+                out = _decode_one(qi, k, v, scale)
+            else:
+                mask = plan["masks"][i]
+                out = F.scaled_dot_product_attention(
+                    qi.transpose(0, 1)[None],
+                    k[None],
+                    v[None],
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=scale,
+                    enable_gqa=True,
+                )[0].transpose(0, 1)  # [Q, H, D]
+            outs.append(out if rotation is None else rotation.inverse(out).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: torch.dtype):
-    """A sequence's (or batch's) K and V as `[(B,) Hkv, L, D]` in `dtype`.
+    """A sequence's (or batch's) K and V as `[(B,) Hkv, L, D]` in `dtype`, and the
+    rotation they are in (or None).
 
     Stores that keep pages head-major offer `gather_heads`, which needs no
-    transpose; any other store's token-major `gather` is transposed here.
+    transpose; any other store's token-major `gather` is transposed here. A store
+    with a `rotation` (rk8v4) hands K and V over still rotated: the caller rotates
+    the query and un-rotates the output, which for a decode step is two vectors per
+    head instead of the whole context.
     """
-    if hasattr(kv_store, "gather_heads"):
+    rotation = getattr(kv_store, "rotation", None)
+    if rotation is not None:
+        k, v = kv_store.gather_heads(layer, table, length, rotated=True)
+    elif hasattr(kv_store, "gather_heads"):
         k, v = kv_store.gather_heads(layer, table, length)
     else:
         k, v = kv_store.gather(layer, table, length)
         k, v = k.transpose(-3, -2), v.transpose(-3, -2)
-    return k.to(dtype), v.to(dtype)
+    return k.to(dtype), v.to(dtype), rotation
 
 
 def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

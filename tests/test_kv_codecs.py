@@ -277,6 +277,26 @@ def test_paged_write_through_scattered_table_and_partial_page(name):
     assert store.nbytes == codec.bytes_per_token(2, 2, 128) * 8 * BS
 
 
+@pytest.mark.parametrize("name", list(CODECS))
+def test_head_major_gather_is_the_token_major_one_transposed(name):
+    store, _, _ = filled_store(CODECS[name])
+    if not hasattr(store, "gather_heads"):
+        pytest.skip(f"{name!r} offers only the token-major gather")
+    gk, gv = store.gather(1, TABLE, NTOK)
+    hk, hv = store.gather_heads(1, TABLE, NTOK)
+    assert torch.equal(hk, gk.transpose(0, 1)) and torch.equal(hv, gv.transpose(0, 1))
+    rotation = getattr(store, "rotation", None)
+    if rotation is None:
+        return
+    # Still rotated: the stored space, which rotating back (x·Hᵀ, fp64) returns to gather's.
+    rk, rv = store.gather_heads(1, TABLE, NTOK, rotated=True)
+    h = rotation.matrix.double()
+    for rot, want in ((rk, gk), (rv, gv)):
+        back = (rot.double().unflatten(-1, (-1, h.shape[0])) @ h.T).flatten(-2)
+        assert rel_rms(back.transpose(0, 1), want) < 1e-6
+        assert rel_rms(rot.transpose(0, 1), want) > 0.5  # it really is another space
+
+
 @pytest.mark.parametrize("outliers", [False, True], ids=["random", "outliers"])
 @pytest.mark.parametrize("name", list(CODECS))
 def test_store_matches_float64_oracle(name, outliers):

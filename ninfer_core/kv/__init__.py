@@ -13,7 +13,10 @@ small interface, so the model and the kernels never care how K and V are encoded
 
 A store may also offer `gather_heads(...) -> [..., Hkv, L, D]`, the layout attention
 consumes, when it can produce it without a transpose copy (the plain store keeps its
-pages head-major for this).
+pages head-major for this; the quantized store transposes the narrow codes before
+decoding them). A store whose K and V are stored rotated (`rotation` not None, rk8v4)
+must also take `gather_heads(..., rotated=True)`, which skips the inverse rotation:
+attention then rotates the query and the output instead of the whole context.
 """
 
 import torch

@@ -91,6 +91,33 @@ class QuantizedKVStore:
         The token axis is trimmed to `length` before dequantizing, so the padding of
         the last page costs no arithmetic.
         """
+        return self._gather(layer, block_table, length, heads_first=False, rotated=False)
+
+    def gather_heads(
+        self,
+        layer: int,
+        block_table: torch.Tensor,
+        length: int | None = None,
+        *,
+        rotated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `gather`, head-major: k, v: [(B,) Hkv, L, D], contiguous.
+
+        With `rotated`, K and V stay in the rotated space they are stored in (for
+        `rotation`-aware attention, which rotates the query instead: one vector per
+        head instead of the whole context). Without a rotation it changes nothing.
+        """
+        return self._gather(layer, block_table, length, heads_first=True, rotated=rotated)
+
+    def _gather(
+        self,
+        layer: int,
+        block_table: torch.Tensor,
+        length: int | None,
+        *,
+        heads_first: bool,
+        rotated: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lead = block_table.dim() - 1
         out = []
         for kv in (0, 1):
@@ -98,8 +125,11 @@ class QuantizedKVStore:
             scales = self.scales[kv][layer][block_table].flatten(lead, lead + 1)
             if length is not None:
                 codes, scales = codes[..., :length, :, :], scales[..., :length, :, :]
-            x = self.quant[kv].decode(codes, scales)  # [..., L, Hkv, D] fp32
-            if self.rotation is not None:
+            if heads_first:  # move the narrow codes, not the dequantized floats
+                codes = codes.transpose(-3, -2).contiguous()
+                scales = scales.transpose(-3, -2).contiguous()
+            x = self.quant[kv].decode(codes, scales)  # [..., L, Hkv, D] or [..., Hkv, L, D]
+            if self.rotation is not None and not rotated:
                 x = self.rotation.inverse(x)
             out.append(x.to(self.compute_dtype))
         return out[0], out[1]
