@@ -44,15 +44,13 @@ def sequence_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """fp32 logits [len(ids), vocab] at every position: one prefill through the runner,
     into a throwaway fp32 KV cache just large enough for `ids`."""
     from ninfer_core.engine import BlockManager, ModelRunner, Sequence
-    from ninfer_core.kv import KVLayout
-    from plugins.kv_plain import register_kv_codecs
+    from ninfer_core.kv import KVLayout, PlainKVStore
 
-    codec = next(c for c in register_kv_codecs() if c.name == "fp32")
     cfg = loaded.config
     block = 16
     blocks = -(-len(ids) // block) + 1
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, blocks)
-    store = codec.allocate(layout, loaded.ops.device, compute_dtype=torch.float32)
+    store = PlainKVStore(layout, torch.float32, loaded.ops.device)
     runner = ModelRunner(loaded.model, store, BlockManager(blocks, block))
     return runner.run([(Sequence(ids), len(ids))], all_tokens=True)
 

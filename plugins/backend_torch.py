@@ -64,9 +64,13 @@ class TorchOps(KernelOps):
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             return w
-        if self.device.type != "cpu" or w.dtype != torch.bfloat16 or not _MKLDNN:
+        if not self._reorders_dense(w.dtype):
             return w
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+
+    def _reorders_dense(self, dtype: torch.dtype | None) -> bool:
+        """Whether `pack_linear` reorders a dense matrix of `dtype` into oneDNN's layout."""
+        return self.device.type == "cpu" and dtype == torch.bfloat16 and _MKLDNN
 
     def packed_nbytes(self, fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
         """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt_name` and run
@@ -77,7 +81,7 @@ class TorchOps(KernelOps):
             if int4_format_supported(fmt, self.device, dtype):
                 return Int4Linear.nbytes_for(fmt, shape)
             return None
-        if self.device.type != "cpu" or dtype != torch.bfloat16 or not _MKLDNN:
+        if not self._reorders_dense(dtype):
             return None
         return shape[0] * shape[1] * dtype.itemsize  # the blocked layout, same bytes
 
