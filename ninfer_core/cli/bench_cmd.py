@@ -13,8 +13,10 @@ import sys
 from ninfer_core.bench.artifact import ArtifactBenchConfig
 from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
 from ninfer_core.bench.engine import EngineBenchConfig
+from ninfer_core.bench.isolation import IsolationBenchConfig
 from ninfer_core.bench.kv import KVBenchConfig
 from ninfer_core.bench.serve import ServeBenchConfig
+from ninfer_core.bench.soak import SoakBenchConfig
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.errors import NInferError
 
@@ -92,6 +94,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
     add_config_arguments(s, ServeBenchConfig)
     s.set_defaults(run=run_serve)
+    for name, config, help_text in (
+        ("isolation", IsolationBenchConfig,
+         "a victim stream's tok/s and text while another client sends hostile requests"),
+        ("soak", SoakBenchConfig,
+         "thousands of mixed requests; the server's RSS after warm-up, at the end, at peak"),
+    ):  # fmt: skip
+        b = _bench(
+            benches, name, config, run_server_bench, help=help_text,
+            description=f"Runs ninfer-serve MODEL in a child process: {help_text}.",
+            default="the small built-in model",
+        )  # fmt: skip
+        b.add_argument("--json", dest="as_json", action="store_true", help="machine-readable")
+        b.set_defaults(bench_module=f"ninfer_core.bench.{name}", bench_config=config)
 
 
 def table(result: dict) -> str:
@@ -257,4 +272,18 @@ def run_serve(ns: argparse.Namespace) -> int:
     for r in result["levels"]:
         if r["first_error"]:
             print(f"C{r['concurrency']}: first error: {r['first_error']}")
+    return 0
+
+
+def run_server_bench(ns: argparse.Namespace) -> int:
+    """`ninfer bench isolation|soak`: the module's run_bench, printed by its render."""
+    import importlib
+
+    module = importlib.import_module(ns.bench_module)
+    result = module.run_bench(config_from_args(ns.bench_config, ns), ns.model)
+    if ns.as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(module.render(result))
     return 0

@@ -1,0 +1,122 @@
+"""`ninfer bench isolation`: one client's stream while another sends hostile requests.
+
+The victim streams a greedy answer of `--victim-tokens` tokens alone, then again while a
+second client sends one class of hostile request in a loop. Per class the table gives the
+victim's decode tok/s against the alone run (the ratio the server is held to: ≥ 0.8), whether
+its text is unchanged (greedy, so it must be), and the status codes the hostile client got.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ninfer_core.bench.server_process import ServerProcess, request
+from ninfer_core.config import opt
+
+PATH = "/v1/chat/completions"
+
+
+@dataclass
+class IsolationBenchConfig:
+    """Workload for `ninfer bench isolation`."""
+
+    victim_tokens: int = opt(256, "tokens the victim stream generates")
+    prompt_mib: float = opt(15.0, "size of the huge prompt (MiB)")
+    stop_count: int = opt(10_000, "stop sequences in the stop-sequence attack")
+    threads: int = opt(1, "--threads for the server")
+
+
+def _chat(model_id: str, content: str, **extra: Any) -> dict:
+    return {"model": model_id, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def hostile_requests(
+    cfg: IsolationBenchConfig, model_id: str
+) -> dict[str, Callable[[], tuple[str, dict]]]:
+    """Class name → a function giving (path, body) of one hostile request."""
+    huge = "word " * int(cfg.prompt_mib * 2**20 / 5)
+    stops = [f"stop{i}" for i in range(cfg.stop_count)]
+    return {
+        "bad sampling values": lambda: (
+            PATH, _chat(model_id, "hi", max_tokens=16, repetition_penalty=1e-45, temperature=1.0)
+        ),
+        f"{cfg.prompt_mib:g} MiB prompt": lambda: (PATH, _chat(model_id, huge, max_tokens=4)),
+        f"{cfg.stop_count} stop sequences": lambda: (
+            "/v1/messages",
+            {"model": model_id, "max_tokens": 32, "stop_sequences": stops,
+             "messages": [{"role": "user", "content": "write a story"}]},
+        ),
+    }  # fmt: skip
+
+
+@dataclass
+class VictimRun:
+    tok_s: float
+    text: str
+
+
+def victim(port: int, model_id: str, tokens: int) -> VictimRun:
+    body = _chat(
+        model_id,
+        "Write the function `dedent` from `textwrap`.",
+        max_tokens=tokens, temperature=0, ignore_eos=True, stream=True,
+    )  # fmt: skip
+    reply = request(port, "POST", PATH, body)
+    stamps = [
+        t for t, e in reply.events if e.get("choices") and e["choices"][0]["delta"].get("content")
+    ]
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or "" for _, e in reply.events if e.get("choices")
+    )
+    tok_s = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return VictimRun(tok_s, text)
+
+
+def _attack(port: int, make: Callable[[], tuple[str, dict]], stop: threading.Event, seen: Counter):
+    while not stop.is_set():
+        path, body = make()
+        try:
+            seen[request(port, "POST", path, body, timeout=120).status] += 1
+        except OSError as exc:
+            seen[type(exc).__name__] += 1
+
+
+def run_bench(cfg: IsolationBenchConfig, model: str | None = None) -> dict:
+    rows = []
+    with ServerProcess(model, [], threads=cfg.threads) as server:
+        model_id = request(server.port, "GET", "/v1/models", None).body["data"][0]["id"]
+        victim(server.port, model_id, 16)  # warm-up
+        alone = victim(server.port, model_id, cfg.victim_tokens)
+        rows.append({"class": "alone", "tok_s": alone.tok_s, "ratio": 1.0, "same_text": True,
+                     "hostile_status": {}})  # fmt: skip
+        for name, make in hostile_requests(cfg, model_id).items():
+            stop, seen = threading.Event(), Counter()
+            attacker = threading.Thread(target=_attack, args=(server.port, make, stop, seen))
+            attacker.start()
+            time.sleep(0.5)  # the attack is under way before the victim starts
+            run = victim(server.port, model_id, cfg.victim_tokens)
+            stop.set()
+            attacker.join()
+            rows.append({
+                "class": name, "tok_s": run.tok_s, "ratio": run.tok_s / alone.tok_s,
+                "same_text": run.text == alone.text, "hostile_status": dict(seen),
+            })  # fmt: skip
+        health = request(server.port, "GET", "/health", None).status
+    return {"config": cfg.__dict__, "rows": rows, "health_after": health}
+
+
+def render(result: dict) -> str:
+    lines = ["| hostile client sends | victim tok/s | ratio | same text | hostile got |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in result["rows"]:
+        got = ", ".join(f"{k}×{v}" for k, v in r["hostile_status"].items()) or "-"
+        lines.append(
+            f"| {r['class']} | {r['tok_s']:.1f} | {r['ratio']:.2f} | {r['same_text']} | {got} |"
+        )
+    lines.append(f"\n/health after the run: {result['health_after']}")
+    return "\n".join(lines)

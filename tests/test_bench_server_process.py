@@ -1,0 +1,34 @@
+"""`ninfer bench isolation` and `ninfer bench soak`, run small against a real ninfer-serve."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer_core.bench.isolation import IsolationBenchConfig
+from ninfer_core.bench.isolation import render as render_isolation
+from ninfer_core.bench.isolation import run_bench as run_isolation
+from ninfer_core.bench.soak import SoakBenchConfig
+from ninfer_core.bench.soak import run_bench as run_soak
+
+
+@pytest.mark.slow
+def test_isolation_hostile_clients_leave_the_victims_text_alone():
+    cfg = IsolationBenchConfig(victim_tokens=24, prompt_mib=1.0, stop_count=500)
+    result = run_isolation(cfg)
+    rows = {r["class"]: r for r in result["rows"]}
+    assert result["health_after"] == 200
+    assert len(rows) == 4 and rows["alone"]["tok_s"] > 0
+    for row in rows.values():
+        assert row["same_text"], row  # greedy: another client must not change the answer
+    # a repetition_penalty that underflows to 0 is refused, never run
+    assert set(rows["bad sampling values"]["hostile_status"]) == {400}
+    assert "| bad sampling values |" in render_isolation(result)
+
+
+@pytest.mark.slow
+def test_soak_counts_every_request_and_reads_rss():
+    cfg = SoakBenchConfig(requests=12, concurrency=2, max_prompt_words=40, max_tokens=4)
+    result = run_soak(cfg)
+    assert result["statuses"] == {200: 12}
+    assert 0 < result["rss_start_mib"] <= result["rss_peak_mib"]
+    assert result["rss_end_mib"] <= result["rss_peak_mib"]
