@@ -247,9 +247,12 @@ def test_batch_sizes_must_agree() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("temperature", -0.1, r"temperature must be >= 0"),
+        ("temperature", -0.1, r"temperature must be in \[0, 100\]"),
+        ("temperature", 101, r"temperature must be in \[0, 100\]"),
+        ("temperature", 1e39, r"temperature must be in \[0, 100\]"),
         ("temperature", float("nan"), r"temperature must be a finite number"),
-        ("top_k", -2, r"top_k must be an integer >= 1, or 0 or -1"),
+        ("top_k", -2, r"top_k must be an integer in 1\.\.2147483647, or 0 or -1"),
+        ("top_k", 2**31, r"top_k must be an integer in 1\.\.2147483647"),
         ("top_k", 2.5, r"top_k must be an integer"),
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
         ("top_p", 1.01, r"top_p must be in \(0, 1\]"),
@@ -257,10 +260,16 @@ def test_batch_sizes_must_agree() -> None:
         ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
         ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"),
         ("frequency_penalty", -3, r"frequency_penalty must be in \[-2, 2\]"),
-        ("repetition_penalty", 0, r"repetition_penalty must be > 0"),
+        ("repetition_penalty", 0, r"repetition_penalty must be in \[0\.01, 100\]"),
+        ("repetition_penalty", 1e-45, r"repetition_penalty must be in \[0\.01, 100\]"),
+        ("repetition_penalty", 5e-324, r"repetition_penalty must be in \[0\.01, 100\]"),
+        ("repetition_penalty", 1e39, r"repetition_penalty must be in \[0\.01, 100\]"),
+        ("presence_penalty", float("inf"), r"presence_penalty must be a finite number"),
         ("repetition_penalty", "1.1", r"repetition_penalty must be a number"),
         ("seed", 1.5, r"seed must be an integer or None"),
         ("seed", True, r"seed must be an integer or None"),
+        ("seed", 2**64, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+        ("seed", -(2**63) - 1, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
     ],
 )
 def test_out_of_range_values_name_the_field(field: str, value: object, message: str) -> None:

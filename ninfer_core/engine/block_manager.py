@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
-from ninfer_core.engine.prefix_cache import PrefixCache, chain_hashes
+from ninfer_core.engine.prefix_cache import PrefixCache, chain_hashes, salted_root
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.errors import NInferError
 
@@ -118,7 +118,7 @@ class BlockManager:
             return 0, 0
         if seq.prompt_hashes is None:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
-            seq.prompt_hashes = chain_hashes(prompt, self.block_size, self.cache.root)
+            seq.prompt_hashes = chain_hashes(prompt, self.block_size, self._root(seq))
         hits = idle = 0
         for key in seq.prompt_hashes[: (seq.num_prompt_tokens - 1) // self.block_size]:
             block = self.cache.lookup(key)
@@ -152,7 +152,7 @@ class BlockManager:
             return
         keys = (seq.prompt_hashes or [])[start:full]
         done = seq.block_hashes + keys
-        root = self.cache.root
+        root = self._root(seq)
         keys += chain_hashes(seq.token_ids, self.block_size, root, len(done), full, done)
         for i, key in enumerate(keys, start):
             seq.block_hashes.append(key)
@@ -161,6 +161,10 @@ class BlockManager:
             # once); this one then stays unindexed and is freed, not kept, at the end.
             if self._keys[block] is None and self.cache.insert(key, block):
                 self._keys[block] = key
+
+    def _root(self, seq: Sequence) -> bytes:
+        """Where `seq`'s hash chain starts: the pool's root, salted by its request's salt."""
+        return salted_root(self.cache.root, seq.cache_salt)
 
     # -- checks ----------------------------------------------------------------------------
 

@@ -9,6 +9,12 @@ events into asyncio.
 One lock guards the scheduler and the request table; it is held while deciding and while
 postprocessing, never during the forward, so a `submit` or `cancel` waits at most for the
 bookkeeping of a step, not for its compute. Events go out after the lock is released.
+
+A fault is pinned on the request it comes from, so one client can never end another's stream:
+a forward that raises is re-run sequence by sequence (`faults.run_isolated`), and after it
+each sequence's logits row, sampled token and text step are checked or guarded on their own,
+ending only their request with an `EngineStepError`. Only a bug in the step's bookkeeping
+itself fails every live request (`StepThread._loop`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine_thread import StepThread
+from ninfer_core.engine.faults import run_isolated, unusable_rows
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.engine.request import (
     EngineClosedError,
@@ -126,7 +133,7 @@ class Engine(StepThread):
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= set(self.model_stop_ids)
-        seq = Sequence(request.prompt_ids, max_tokens=max_tokens)
+        seq = Sequence(request.prompt_ids, max_tokens=max_tokens, cache_salt=request.cache_salt)
         state = RequestState(request, seq, sink, self.tokenizer, stop_ids)
         with self._lock:
             if self._closing:
@@ -209,28 +216,27 @@ class Engine(StepThread):
             self.counters.prefill_tokens += plan.num_prefill_tokens
             self.counters.decode_tokens += plan.num_decode_tokens
             start = self.clock()
-            try:
-                logits = self.runner.run(plan.batch)
-            except Exception as exc:
-                log.exception("engine step failed")
-                with self._lock:
-                    for seq, _ in plan.batch:
-                        if seq.status is SequenceStatus.RUNNING:
-                            error = EngineStepError(f"the step failed: {type(exc).__name__}: {exc}")
-                            self._end(self._by_seq[seq.seq_id], "error", events, error=error)
-            else:
-                with self._lock:
+            # A failure is pinned on the sequences that fail alone too (faults.py): the
+            # others go on, so one request's fault never ends another client's stream.
+            result = run_isolated(self.runner.run, plan.batch)
+            with self._lock:
+                if not result.failed and not result.retried:
                     elapsed = self.clock() - start
                     self.scheduler.costs.observe(
                         plan.num_prefill_tokens, plan.num_decode_tokens, elapsed
                     )
-                    self._apply_cancels(events)  # those that came during the forward
-                    self._postprocess(plan.batch, logits, events)
-                    outcome.still_prefilling = [
-                        self._by_seq[s.seq_id].request_id
-                        for s, _ in plan.batch
-                        if s.status is SequenceStatus.RUNNING and s.is_prefilling
-                    ]
+                for seq, exc in result.failed:
+                    if seq.status is SequenceStatus.RUNNING:
+                        error = EngineStepError(f"the step failed: {type(exc).__name__}: {exc}")
+                        self._end(self._by_seq[seq.seq_id], "error", events, error=error)
+                self._apply_cancels(events)  # those that came during the forward
+                if result.logits is not None:
+                    self._postprocess(result.ok, result.logits, events)
+                outcome.still_prefilling = [
+                    self._by_seq[s.seq_id].request_id
+                    for s, _ in result.ok
+                    if s.status is SequenceStatus.RUNNING and s.is_prefilling
+                ]
         outcome.events = [event for _, event in events]
         self._emit(events)
         return outcome
@@ -249,10 +255,52 @@ class Engine(StepThread):
                 lives.append(self._by_seq[seq.seq_id])
         if not rows:
             return
+        logits = logits[rows]
+        # Per sequence from here: a row, a token or a text step that fails ends its own request.
+        keep = []
+        for j, (live, dead) in enumerate(zip(lives, unusable_rows(logits), strict=True)):
+            if dead:
+                self._fail(live, "the model's logits for this request hold no finite value", events)
+            else:
+                keep.append(j)
+        if len(keep) < len(lives):
+            lives, logits = [lives[j] for j in keep], logits[keep]
+        for live, token in zip(lives, self._sample(logits, lives, events), strict=True):
+            if token is None:
+                continue
+            if not 0 <= token < self.vocab_size:
+                self._fail(
+                    live, f"sampled token id {token} is outside [0, {self.vocab_size})", events
+                )
+                continue
+            try:
+                self._accept(live, token, events)
+            except Exception as exc:
+                log.exception("postprocessing request %s failed", live.request_id)
+                self._fail(live, f"{type(exc).__name__}: {exc}", events)
+
+    def _sample(self, logits: torch.Tensor, lives: list[RequestState], events: list) -> list:
+        """One token per row (None where its request ended): the batch in one call, and if
+        that raises, row by row, so that only the rows that fail alone end their request."""
+        if not lives:
+            return []
         params = [live.request.params for live in lives]
-        tokens = self.sampler.sample(logits[rows], params, [live.history for live in lives])
-        for live, token in zip(lives, tokens.tolist(), strict=True):
-            self._accept(live, token, events)
+        histories = [live.history for live in lives]
+        try:
+            return self.sampler.sample(logits, params, histories).tolist()
+        except Exception:
+            log.exception("sampling the batch failed; sampling its rows one by one")
+        tokens: list[int | None] = []
+        for j, live in enumerate(lives):
+            try:
+                row = self.sampler.sample(
+                    logits[j : j + 1], params[j : j + 1], histories[j : j + 1]
+                )
+                tokens.append(int(row[0]))
+            except Exception as exc:
+                self._fail(live, f"sampling failed: {type(exc).__name__}: {exc}", events)
+                tokens.append(None)
+        return tokens
 
     def _accept(self, state: RequestState, token: int, events: list) -> None:
         event, stop, at_limit = state.accept(token)
@@ -261,6 +309,11 @@ class Engine(StepThread):
             self._end(state, "stop", events, matched=stop.matched)
         elif at_limit:
             self._end(state, "length", events)
+
+    def _fail(self, live: RequestState, why: str, events: list) -> None:
+        """End one request with an internal error; the rest of the step goes on."""
+        if live.seq.status is not SequenceStatus.FINISHED:
+            self._end(live, "error", events, error=EngineStepError(f"the step failed: {why}"))
 
     def _end(
         self,

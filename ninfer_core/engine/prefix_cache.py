@@ -3,7 +3,10 @@
 Block i's key hashes block i-1's key with block i's token ids, so equal keys mean equal
 *prefixes*, not merely equal blocks: attention made each block's K/V from everything before
 it. The chain starts from a salt naming whatever else changes a block's bytes (the KV codec),
-so two pools that encode K/V differently never share a key. Keys are 128-bit BLAKE2b digests:
+so two pools that encode K/V differently never share a key. A request may carry a cache salt
+(`salted_root`): its chain then starts from a root of its own, so requests with different salts
+never share a block, whatever their tokens, and `cached_tokens` tells one client nothing about
+another's prompts. Keys are 128-bit BLAKE2b digests:
 a collision would silently serve another prompt's KV, and at 2**-64 odds for billions of
 blocks that is not a risk worth checking token by token.
 
@@ -24,6 +27,19 @@ _DIGEST = 16
 def root_hash(salt: str) -> bytes:
     """The chain's starting key for a pool whose block contents depend on `salt`."""
     return blake2b(salt.encode(), digest_size=_DIGEST, person=b"ninfer-kv").digest()
+
+
+def salted_root(root: bytes, cache_salt: str | None) -> bytes:
+    """The chain's root for requests with `cache_salt` (None: the pool's own `root`).
+
+    Mixing the salt into the root is mixing it into the first block's key, and through the
+    chain into every later one. The root is a fixed 16 bytes, so `root ‖ salt` is unambiguous;
+    the personalisation keeps a salted root apart from any block key.
+    """
+    if cache_salt is None:
+        return root
+    data = root + cache_salt.encode("utf-8", "surrogatepass")
+    return blake2b(data, digest_size=_DIGEST, person=b"ninfer-salt").digest()
 
 
 def block_hash(previous: bytes, token_ids: Sequence[int]) -> bytes:

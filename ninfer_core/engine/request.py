@@ -42,6 +42,10 @@ class GenerationRequest:
     #: Longest wait in the queue, when no `deadline`; None: the engine's rule (docs/engine.md).
     pending_timeout_s: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: Prefix-cache isolation: only requests with an equal salt share cached KV blocks, so
+    #: `cached_tokens` cannot tell one tenant what another sent. None: the shared pool.
+    #: Frontends set it from the API key and a request's own `cache_salt` (docs/engine.md).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -51,6 +55,12 @@ class GenerationRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.pending_timeout_s is not None and self.pending_timeout_s < 0:
             raise ValueError(f"pending_timeout_s must be >= 0, got {self.pending_timeout_s}")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise ValueError(
+                f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,10 @@ class TokenEvent:
     request_id: str
     text: str
     token_ids: tuple[int, ...]
+    #: On a request's first event only: prompt tokens whose KV came from the prefix cache,
+    #: so a stream can report the cache split before the request ends (Anthropic's
+    #: `message_start`). None on every later event.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +188,9 @@ class RequestState:
         if at_limit and not update.finished:
             update = self.stops.feed(self.detok.finish())
             text += update.text + self.stops.flush()
-        return TokenEvent(self.request_id, text, (token,)), update, at_limit
+        first = len(self.seq.completion_ids) == 1
+        cached = self.seq.num_cached_tokens if first else None
+        return TokenEvent(self.request_id, text, (token,), cached), update, at_limit
 
     def usage(self) -> Usage:
         seq = self.seq

@@ -31,6 +31,7 @@ class Sequence:
         *,
         max_tokens: int = 0,
         deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = next(_ids) if seq_id is None else seq_id
         self.token_ids: list[int] = list(token_ids)
@@ -50,6 +51,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         #: Chain hashes of the prompt's full blocks, computed once at the first admission try.
         self.prompt_hashes: list[bytes] | None = None
+        #: Its prefix-cache chain starts from a root salted with this (None: the pool's root),
+        #: so it shares blocks only with sequences of the same salt.
+        self.cache_salt = cache_salt
 
     def __len__(self) -> int:
         return len(self.token_ids)

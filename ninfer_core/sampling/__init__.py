@@ -12,6 +12,7 @@ from ninfer_core.sampling.sampler import (
     apply_temperature,
     apply_top_k_top_p,
     draw,
+    sanitize,
     warp_logits,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "apply_top_k_top_p",
     "draw",
     "penalise",
+    "sanitize",
     "warp_logits",
 ]

@@ -13,6 +13,20 @@ from dataclasses import dataclass
 #: Temperatures below this sample as greedy (as vLLM does): the distribution is all but argmax,
 #: and dividing fp32 logits by a value much smaller overflows to inf and then NaN.
 GREEDY_BELOW = 1e-5
+#: Highest temperature accepted. Above ~100 the distribution is already all but uniform, and a
+#: value past fp32's range (3.4e38) would turn into inf in the per-row column and make every
+#: masked (-inf) logit NaN.
+MAX_TEMPERATURE = 100.0
+#: The repetition penalty's range. It divides positive logits, so a tiny value overflows them:
+#: 1e-45 rounds to a denormal (or 0) in fp32 and the logits become inf/NaN. Values outside
+#: [1/100, 100] have no use (vLLM and transformers only ask for > 0; we bound both sides).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+#: top_k beyond this is the same as "off" for any real vocabulary, and keeps the value an int32.
+MAX_TOP_K = 2**31 - 1
+#: Seeds are signed or unsigned 64-bit integers (OpenAI documents int64); the generator takes
+#: the value modulo 2**64, so both halves map one to one onto its seed space.
+MIN_SEED, SEED_BOUND = -(2**63), 2**64
 
 
 def _number(name: str, value: object) -> float:
@@ -52,11 +66,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         temperature = _number("temperature", self.temperature)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not 0 <= temperature <= MAX_TEMPERATURE:
             raise ValueError(
-                f"top_k must be an integer >= 1, or 0 or -1 to turn it off; got {self.top_k!r}"
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), "
+                f"got {temperature}"
+            )
+        top_k = self.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k <= MAX_TOP_K:
+            raise ValueError(
+                f"top_k must be an integer in 1..{MAX_TOP_K}, or 0 or -1 to turn it off; "
+                f"got {top_k!r}"
             )
         top_p = _number("top_p", self.top_p)
         if not 0 < top_p <= 1:
@@ -69,11 +88,16 @@ class SamplingParams:
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2] (0 turns it off), got {value}")
         repetition = _number("repetition_penalty", self.repetition_penalty)
-        if repetition <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 turns it off), got {repetition}")
+        if not MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 turns it off), got {repetition}"
+            )
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if seed is not None and not MIN_SEED <= seed < SEED_BOUND:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
 
     @property
     def greedy(self) -> bool:

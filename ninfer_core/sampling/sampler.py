@@ -4,6 +4,10 @@ The transforms are vectorised over the batch with per-row parameters (a row with
 off gets the neutral value), so a batch costs the same few kernels whatever mix of settings it
 holds. Only the draw itself splits: seeded rows draw from their own generators, one row at a
 time, so that a seeded request's tokens never depend on which others share its batch.
+
+Whatever the logits hold, a returned id is in [0, V) and depends only on the row: non-finite
+values are made finite or impossible by `sanitize` (see there) before and after every
+transform that can overflow, and a row left with nothing possible falls back to id 0.
 """
 
 from __future__ import annotations
@@ -16,6 +20,21 @@ from ninfer_core.sampling.params import SamplingParams
 from ninfer_core.sampling.penalties import SequenceTokens, apply_penalties
 
 _NEG_INF = float("-inf")
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V] fp32 -> [R, V] with NaN -> -inf and +inf -> fp32 max (new tensor).
+
+    Why these choices: a NaN score says nothing about its token, so the token becomes
+    impossible rather than poisoning the row's softmax (one NaN makes every probability NaN
+    and the inverse-CDF draw land one past the vocabulary). A +inf score means "certain";
+    as fp32 max it keeps that meaning (ties share the mass) without inf - inf = NaN in the
+    softmax. -inf stays: that is how filters mark removed tokens. A row with no finite or
+    +inf value left has nothing to choose from; `draw` and `argmax` then give id 0, the
+    documented fallback (the engine ends such a sequence with an error before it gets here).
+    """
+    return torch.nan_to_num(logits, nan=_NEG_INF, posinf=_FP32_MAX, neginf=_NEG_INF)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -78,7 +97,8 @@ def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
-    logits = apply_temperature(logits, column([p.temperature for p in params]))
+    # Dividing by a temperature < 1 can overflow a large logit to inf: sanitize again.
+    logits = sanitize(apply_temperature(logits, column([p.temperature for p in params])))
     top_k = top_p = k_max = None
     if all(p.top_k > 0 for p in params):
         k_max = min(max(p.top_k for p in params), vocab)
@@ -100,12 +120,15 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     costs ~15x more on CPU), no host sync on CUDA, and a seeded row consumes exactly one number
     of its stream per step. The CDF is fp64 so that rounding over ~150k terms cannot move mass.
     """
-    cdf = probs.double().cumsum(dim=-1)  # [R, V]
+    # A NaN probability (a row with nothing possible: softmax of all -inf) counts as 0, so
+    # such a row's cdf is all 0 and the search below lands on id 0, never past the end.
+    cdf = probs.double().nan_to_num(nan=0.0).cumsum(dim=-1)  # [R, V]
     uniform = torch.rand(
         probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator
     )
     # u in (0, total]: the first index with cdf >= u has p > 0 (zero-probability tokens only
-    # repeat the previous cdf value) and is never past the end.
+    # repeat the previous cdf value) and is never past the end: (1 - uniform) <= 1, so the
+    # rounded product is <= total = cdf[-1].
     return torch.searchsorted(cdf, (1 - uniform) * cdf[:, -1:]).squeeze(1)
 
 
@@ -168,8 +191,12 @@ class Sampler:
             rows = torch.tensor(greedy, dtype=torch.long, device=logits.device)
             probs[rows, logits[rows].argmax(dim=-1)] = 1.0
         if random:
-            warped = warp_logits(logits[random], [params[i] for i in random])
-            probs[random] = warped.softmax(dim=-1)
+            warped = warp_logits(logits[random], [params[i] for i in random]).softmax(dim=-1)
+            # A row with nothing possible is NaN here; `sample` draws id 0 from it: say so
+            # (with `where`, not a branch, so that CUDA need not sync).
+            fallback = torch.zeros_like(warped)
+            fallback[:, 0] = 1.0
+            probs[random] = torch.where(warped.isnan().any(dim=-1, keepdim=True), fallback, warped)
         return probs
 
     @staticmethod
@@ -185,7 +212,7 @@ class Sampler:
                 f"batch of {logits.shape[0]} logits rows with {len(params)} params "
                 f"and {len(histories)} histories"
             )
-        return logits.float()
+        return sanitize(logits.float())
 
     @staticmethod
     def _penalise(
@@ -196,13 +223,15 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.has_penalties]
         if not rows:
             return logits
+        # A penalty can push a huge logit past fp32's range (x / 0.5, x + 2 * count): sanitize.
         if len(rows) == len(params):
-            return apply_penalties(logits, params, histories)
+            return sanitize(apply_penalties(logits, params, histories))
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         penalised = apply_penalties(
             logits[index], [params[i] for i in rows], [histories[i] for i in rows]
         )
-        return logits.index_copy(0, index, penalised)  # out of place: the caller's logits stay
+        # out of place: the caller's logits stay
+        return logits.index_copy(0, index, sanitize(penalised))
 
     def _draw(
         self,
