@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import httpx2  # huggingface_hub 2.x's HTTP client: its connection and timeout errors
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
@@ -84,6 +84,26 @@ def check_revision(revision: str, *, allow_unpinned: bool = False) -> str:
     )
 
 
+def check_filename(filename: str) -> str:
+    """`filename` when it names a file inside a repo: a relative POSIX path with no empty,
+    `.` or `..` part. huggingface_hub refuses some of these with a traceback and resolves
+    others (`.`, '') to the snapshot folder itself, so they are refused here first."""
+    parts = filename.split("/")
+    if (
+        not filename
+        or filename.startswith("/")
+        or "\\" in filename
+        or "\0" in filename
+        or any(part in ("", ".", "..") for part in parts)
+        or PureWindowsPath(parts[0]).drive
+    ):
+        raise PullError(
+            f"--file {filename!r} is not a file name in a repo: give a relative path such as "
+            "config.json or onnx/model.onnx, without '.', '..', empty parts or backslashes"
+        )
+    return filename
+
+
 def check_sha256(digest: str) -> str:
     """`digest` in lower case, or a PullError when it is not 64 hex digits."""
     if not (len(digest) == 64 and HEX.fullmatch(digest)):
@@ -117,6 +137,7 @@ def pull(
     (`HF_HUB_OFFLINE=1`) only the cache is used, and a branch or tag resolves through the
     cache's `refs/`. Raises PullError for anything the user can fix.
     """
+    filename = check_filename(filename)
     revision = check_revision(revision, allow_unpinned=allow_unpinned)
     expected = check_sha256(sha256) if sha256 is not None else None
     where = f"{repo_id}@{revision}"
@@ -142,9 +163,10 @@ def pull(
 
     # A commit never changes, so a cached copy of it is the answer, found without a request.
     # A branch is looked up in the cache only offline: online, the Hub says where it is now.
+    storage = _storage(repo_id, cache_dir)
     if pinned or offline:
         try:
-            return _verified(fetch(local_only=True), expected, where, filename)
+            return _verified(fetch(local_only=True), expected, where, filename, storage)
         except LocalEntryNotFoundError:
             if offline:
                 raise PullError(
@@ -163,8 +185,17 @@ def pull(
         except LocalEntryNotFoundError:
             raise unreachable from None
         note = f"the Hub is unreachable; using the cached {revision}, which may be out of date"
-        return _verified(path, expected, where, filename, note=note)
-    return _verified(fetch(local_only=False), expected, where, filename, commit=commit)
+        return _verified(path, expected, where, filename, storage, note=note)
+    return _verified(fetch(local_only=False), expected, where, filename, storage, commit=commit)
+
+
+def _storage(repo_id: str, cache_dir: str | Path | None) -> Path:
+    """The repo's folder in the hub cache (`<cache>/models--org--name`): nothing outside
+    it is ever removed."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    root = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    return root / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
 def _verified(
@@ -172,12 +203,15 @@ def _verified(
     expected: str | None,
     where: str,
     filename: str,
+    storage: Path,
     *,
     commit: str | None = None,
     note: str | None = None,
 ) -> Pulled:
+    if not path.is_file():
+        raise PullError(f"{where}: {filename} is not a file in the cache ({path})")
     if expected is not None:
-        _verify(path, expected, where, filename)
+        _verify(path, expected, where, filename, storage)
     return Pulled(path=path, commit=commit or _snapshot_commit(path), sha256=expected, note=note)
 
 
@@ -246,21 +280,41 @@ def _snapshot_commit(path: Path) -> str | None:
     return None
 
 
-def _verify(path: Path, expected: str, where: str, filename: str) -> None:
-    """Hash `path`; on a mismatch remove it from the cache and raise."""
+def _verify(path: Path, expected: str, where: str, filename: str, storage: Path) -> None:
+    """Hash `path`; on a mismatch remove it from the cache and raise.
+
+    Only what lies inside the repo's cache folder `storage` is removed: the snapshot entry
+    when its folder really is in `storage`, and the blob it links to when that is in
+    `storage/blobs`. A link pointing elsewhere loses the link, never its target.
+    """
     found = file_sha256(path)
     if found == expected:
         return
-    blob = path.resolve()
+    linked, blob = path.is_symlink(), path.resolve()
     # The snapshot entry is a link to a blob named by its etag; with the blob left behind
     # the next pull would link it again without downloading. Both go.
-    path.unlink(missing_ok=True)
-    if blob != path and blob.is_file():
-        blob.unlink(missing_ok=True)
+    removed, kept = [], []
+    if _inside(path.parent.resolve(), storage / "snapshots"):
+        path.unlink(missing_ok=True)  # the link itself (or a plain file) in the snapshot
+        removed.append(str(path))
+    else:
+        kept.append(str(path))
+    if linked:
+        if _inside(blob, storage / "blobs"):
+            blob.unlink(missing_ok=True)
+        else:
+            kept.append(str(blob))
     hint = ""
     if blob.name == found:  # an LFS blob is named by its sha256: the Hub's copy is intact
         hint = "; it is the file the Hub has at that revision, so check the expected digest"
+    done = f"removed {removed[0]} from the cache" if removed else "removed nothing"
+    if kept:
+        done += f", left {' and '.join(kept)} alone (outside the cache)"
     raise PullError(
-        f"{where}: {filename}: sha256 mismatch: expected {expected}, found {found}; "
-        f"removed {path} from the cache{hint}"
+        f"{where}: {filename}: sha256 mismatch: expected {expected}, found {found}; {done}{hint}"
     )
+
+
+def _inside(resolved: Path, folder: Path) -> bool:
+    """Whether the already resolved path `resolved` lies inside `folder` (resolved here)."""
+    return resolved.is_relative_to(folder.resolve())

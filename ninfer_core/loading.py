@@ -66,15 +66,31 @@ def open_artifact(host: PluginHost, path: str | Path) -> Any:
 
 
 def family_and_config(host: PluginHost, artifact: Any) -> tuple[Any, ModelConfig]:
-    """The model family that builds the artifact's architecture, and its parsed config."""
+    """The model family that builds the artifact's architecture, and its parsed config,
+    checked against the artifact's tensors (when the family can) before anything is built."""
     archs = artifact.config.get("architectures") or []
     if not archs:
         raise ModelLoadError(f"{artifact.path / 'config.json'}: no 'architectures' entry")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise ModelLoadError(
+            f"{artifact.path / 'config.json'}: 'architectures' must be a list of class names"
+        )
     try:
         family = host.family_for(archs[0])
     except UnknownNameError as exc:
         raise ModelLoadError(f"{artifact.path / 'config.json'}: {exc}") from None
-    return family, family.parse_config(artifact.config)
+    try:
+        config = family.parse_config(artifact.config)
+    except ModelLoadError as exc:  # name the model's own config.json, not just its name
+        message = str(exc)
+        if not message.startswith("config.json: "):
+            raise
+        where = artifact.path / "config.json"
+        raise ModelLoadError(f"{where}: {message.removeprefix('config.json: ')}") from None
+    check = getattr(family, "check_artifact", None)  # optional: families may not have it
+    if check is not None:
+        check(config, artifact)
+    return family, config
 
 
 def load_model(

@@ -6,7 +6,6 @@ is read, and pickle-based checkpoints (`.bin`, `.pt`) are refused, never loaded.
 
 from __future__ import annotations
 
-import json
 import struct
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 from ninfer_core import hookimpl
 from ninfer_core.errors import ModelLoadError
+from ninfer_core.safe_json import loads_limited
 from ninfer_core.support import Support
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -45,8 +45,8 @@ def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
             )
         raw = fh.read(length)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = loads_limited(raw.decode("utf-8"), max_chars=MAX_HEADER_BYTES)
+    except (UnicodeDecodeError, ValueError) as exc:
         raise ModelLoadError(f"{file}: corrupt safetensors header: not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ModelLoadError(f"{file}: corrupt safetensors header: not a JSON object")
@@ -90,10 +90,10 @@ class HFFolderArtifact:
     def config(self) -> dict[str, Any]:
         file = self.path / "config.json"
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            data = loads_limited(file.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ModelLoadError(f"{file}: missing (a model folder needs config.json)") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, ValueError) as exc:
             raise ModelLoadError(f"{file}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ModelLoadError(f"{file}: expected a JSON object")
@@ -103,9 +103,9 @@ class HFFolderArtifact:
         index = self.path / INDEX_NAME
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                weight_map = loads_limited(index.read_text(encoding="utf-8"))["weight_map"]
                 names = sorted(set(weight_map.values()))
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError) as exc:  # UnicodeDecodeError too
                 raise ModelLoadError(f"{index}: not a safetensors index ({exc})") from None
             files = [self.path / n for n in names]
             for f in files:

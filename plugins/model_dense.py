@@ -11,7 +11,9 @@ from ninfer_core.device import DeviceInfo
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.dense import DenseDecoder
 from ninfer_core.model.ops import KernelOps
-from ninfer_core.model.weights import load_weights
+from ninfer_core.model.rope import check_rope
+from ninfer_core.model.weight_budget import check_weights_fit
+from ninfer_core.model.weights import check_weights, load_weights
 from ninfer_core.plugin_types import Artifact
 from ninfer_core.support import Support
 
@@ -29,7 +31,18 @@ class DenseFamily:
         return Support.yes()
 
     def parse_config(self, raw: dict[str, Any]) -> ModelConfig:
-        return ModelConfig.from_hf(raw, qk_norm=self.qk_norm)
+        """The checked config: field types and ranges, and the RoPE parameters (computed
+        once here, so a scaling that yields NaN fails before any weight exists)."""
+        config = ModelConfig.from_hf(raw, qk_norm=self.qk_norm)
+        check_rope(config)
+        return config
+
+    def check_artifact(self, config: ModelConfig, artifact: Artifact) -> None:
+        """Before anything is allocated: every tensor the config implies is there with the
+        shape the config gives (the first one that is not is named), and in total the
+        config's weights fit in what the artifact's tensor headers hold."""
+        check_weights(config, artifact)
+        check_weights_fit(config, artifact)
 
     def build(
         self,

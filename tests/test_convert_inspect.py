@@ -10,6 +10,7 @@ from checkpoints import prompt_logits, write_tiny_qwen3
 from text_fixtures import write_model_dir
 
 from ninfer_core.artifact.reader import open_container
+from ninfer_core.artifact.writer import ContainerWriter
 from ninfer_core.bench.agreement import logit_agreement
 from ninfer_core.cli.main import main
 from ninfer_core.config import RuntimeConfig
@@ -190,3 +191,22 @@ def test_inspect_refuses_what_is_not_a_container(tmp_path, capsys):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
     assert main(["inspect", str(bad)]) == 1
     assert "not a .ninfer file" in capsys.readouterr().err
+
+
+def test_inspect_refuses_a_name_with_a_lone_surrogate(tmp_path, capsys):
+    # JSON's "\ud800" decodes to a str that cannot be written as UTF-8: printing it crashed.
+    from test_artifact_fuzz import make, rewrite
+
+    path = make(tmp_path)
+
+    def rename(header):
+        header["objects"][1]["name"] = "a\ud800b"
+
+    rewrite(path, rename)
+    assert main(["inspect", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "lone surrogate" in err and r"a\ud800b" in err
+    writer = ContainerWriter(tmp_path / "w.ninfer", version=3)
+    with pytest.raises(ValueError, match="lone surrogate"), writer as w:
+        w.add_tensor("x\udc80", "fp32", (1,), torch.zeros(1))

@@ -281,3 +281,64 @@ def test_hub_errors_become_one_line(tmp_path, capsys, monkeypatch, no_network, e
     assert code == 1 and out == ""
     assert message in err
     assert err.count("\n") == 1
+
+
+# --- never outside the cache -------------------------------------------------------------
+
+
+def test_sha256_mismatch_never_deletes_outside_the_cache(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    storage = fake_cache(cache)
+    outside = tmp_path / "precious.bin"
+    outside.write_bytes(WEIGHTS)
+    link = storage / "snapshots" / COMMIT / "model.safetensors"
+    link.unlink()
+    link.symlink_to(outside)  # a snapshot entry pointing out of the cache
+    wrong = sha256(b"something else")
+    code, out, err = pull(
+        capsys, cache, "--revision", COMMIT, "--file", "model.safetensors", "--sha256", wrong
+    )
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert outside.read_bytes() == WEIGHTS  # the target outside the cache is untouched
+    assert not link.is_symlink()  # the link, which is in the cache, is gone
+    assert f"left {outside} alone (outside the cache)" in err
+
+
+def test_sha256_mismatch_in_a_snapshot_folder_linked_outside_keeps_it(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    storage = fake_cache(cache, files={"config.json": CONFIG})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_bytes(CONFIG)
+    snapshot = storage / "snapshots" / COMMIT
+    for entry in snapshot.iterdir():
+        entry.unlink()
+    snapshot.rmdir()
+    snapshot.symlink_to(elsewhere, target_is_directory=True)
+    code, _, err = pull(
+        capsys, cache, "--revision", COMMIT, "--file", "config.json", "--sha256", "0" * 64
+    )
+    assert code == 1 and "removed nothing" in err
+    assert (elsewhere / "config.json").read_bytes() == CONFIG
+
+
+@pytest.mark.parametrize(
+    "name", ["../x", "/etc/passwd", ".", "", "..", "a/../../x", "a//b", "a\\b", "sub/", "C:x"]
+)
+def test_bad_file_names_are_refused_in_one_line(tmp_path, capsys, name):
+    fake_cache(tmp_path)
+    code, out, err = pull(capsys, tmp_path, "--revision", COMMIT, "--file", name)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "is not a file name in a repo" in err, err
+
+
+def test_sha256_mismatch_removes_a_plain_file_entry_and_says_nothing_was_outside(tmp_path, capsys):
+    storage = fake_cache(tmp_path, files={"config.json": CONFIG})
+    entry = storage / "snapshots" / COMMIT / "config.json"
+    entry.unlink()
+    entry.write_bytes(CONFIG)  # caches without symlinks hold plain files
+    code, _, err = pull(
+        capsys, tmp_path, "--revision", COMMIT, "--file", "config.json", "--sha256", "0" * 64
+    )
+    assert code == 1 and not entry.exists()
+    assert f"removed {entry} from the cache" in err and "outside" not in err

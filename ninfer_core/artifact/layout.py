@@ -43,6 +43,7 @@ COMPONENT_DESCRIPTIONS = {
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _COMPONENT = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _TOP_KEYS = {
     1: ({"format_version", "objects"}, set()),
@@ -164,7 +165,15 @@ def name_problem(name: Any) -> str | None:
         return f"a name must be a string, not {_kind(name)}"
     if not name or len(name) > MAX_NAME_CHARS:
         return f"a name must have 1 to {MAX_NAME_CHARS} characters, not {len(name)}"
+    if not _is_unicode(name):
+        return f"a name must be valid Unicode text, not {name!r} (it has a lone surrogate)"
     return None
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str holding a lone surrogate (JSON's `"\\ud800"` decodes to one): it cannot
+    be written as UTF-8, so printing it (`ninfer inspect`) would crash."""
+    return text.isascii() or not _SURROGATE.search(text)
 
 
 def format_problem(fmt: Any) -> str | None:
@@ -255,7 +264,28 @@ def decode_header(raw: bytes, where: str) -> dict[str, Any]:
         raise ArtifactError(f"{where}: header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ArtifactError(f"{where}: header JSON is {_kind(doc)}, not an object")
+    if (bad := _first_surrogate(doc)) is not None:
+        raise ArtifactError(
+            f"{where}: header string {bad} is not valid Unicode text (a lone surrogate)"
+        )
     return doc
+
+
+def _first_surrogate(doc: Any) -> str | None:
+    """The first string (key or value) of `doc` with a lone surrogate, or None; iterative,
+    so a deep document cannot exhaust the stack here."""
+    todo = [doc]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return _short(value)
+        elif isinstance(value, dict):
+            todo.extend(value.keys())
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
+    return None
 
 
 class _Checker:

@@ -9,7 +9,6 @@ checksums are checked by `NinferArtifact.verify()` on request. See
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import struct
 import sys
@@ -37,6 +36,7 @@ from ninfer_core.artifact.layout import (
 )
 from ninfer_core.errors import ArtifactError
 from ninfer_core.quant.formats import FORMATS
+from ninfer_core.safe_json import loads_limited
 
 _HASH_CHUNK = 16 << 20
 
@@ -215,7 +215,7 @@ class NinferArtifact:
         if text is None:
             raise ArtifactError(f"{self.path}: no config.json resource (a model needs one)")
         try:
-            data = json.loads(text)
+            data = loads_limited(text)
         except ValueError as exc:
             raise ArtifactError(f"{self.path}: config.json is not valid JSON ({exc})") from None
         if not isinstance(data, dict):

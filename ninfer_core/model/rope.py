@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ninfer_core.errors import ModelLoadError
-from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.config import LIMITS, ModelConfig
+from ninfer_core.model.config_fields import FieldReader
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -47,12 +48,19 @@ def inv_frequencies(
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq [D/2] fp32, attention_scaling) for this config's RoPE variant.
 
-    `attention_scaling` multiplies cos and sin (YaRN's mscale; 1.0 otherwise).
+    `attention_scaling` multiplies cos and sin (YaRN's mscale; 1.0 otherwise). Every
+    scaling parameter is type- and range-checked first: a `factor` of 0 or a negative one
+    would otherwise turn every position's rotation into inf or NaN.
     """
     scaling = dict(config.rope_scaling or {})
     rope_type = rope_type_of(scaling)
-    partial = scaling.get("partial_rotary_factor", config.raw.get("partial_rotary_factor", 1.0))
-    partial = float(partial)
+    key = "rope_scaling" if config.raw.get("rope_scaling") else "rope_parameters"
+    f = FieldReader(scaling, "config.json", prefix=f"{key}.")
+    top = FieldReader(config.raw, "config.json")
+    partial = f.get("partial_rotary_factor", top.get("partial_rotary_factor", 1.0))
+    partial = FieldReader({"partial_rotary_factor": partial}, "config.json").number(
+        "partial_rotary_factor", above=0.0, high=1.0
+    )
     if partial != 1.0:
         raise ModelLoadError(f"config.json: partial_rotary_factor={partial} is not supported yet")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -62,31 +70,46 @@ def inv_frequencies(
         )
     dim, base = config.head_dim, config.rope_theta
     max_pos = config.max_position_embeddings
-    original_max = int(
-        scaling.get("original_max_position_embeddings")
-        or config.raw.get("original_max_position_embeddings")
-        or max_pos
-    )
+    original = f.get("original_max_position_embeddings", None)
+    original_max = (
+        FieldReader({"original_max_position_embeddings": original}, "config.json", f"{key}.")
+        if original is not None
+        else top
+    ).int("original_max_position_embeddings", 1, LIMITS["max_position_embeddings"], max_pos)
 
     if rope_type == "default":
         return _base_inv_freq(base, dim), 1.0
     if rope_type == "linear":
-        return _base_inv_freq(base, dim) / float(scaling["factor"]), 1.0
+        return _base_inv_freq(base, dim) / f.number("factor", above=0.0), 1.0
     if rope_type == "dynamic":
-        factor = float(scaling["factor"])
+        factor = f.number("factor", above=0.0)
+        if dim <= 2:
+            raise ModelLoadError("config.json: dynamic RoPE scaling needs head_dim above 2")
         seq_len = max(context_len or max_pos, max_pos)
         base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
         return _base_inv_freq(base, dim), 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(base, dim, scaling, original_max), 1.0
-    return _yarn_inv_freq(base, dim, scaling, max_pos, original_max)
+        return _llama3_inv_freq(base, dim, f, original_max), 1.0
+    return _yarn_inv_freq(base, dim, f, max_pos, original_max)
 
 
-def _llama3_inv_freq(base: float, dim: int, s: dict[str, Any], old_context: int) -> torch.Tensor:
+def check_rope(config: ModelConfig) -> None:
+    """Refuse a RoPE configuration whose frequencies or scaling are not finite and positive;
+    run at config time, so a bad config fails before any weight is allocated."""
+    inv_freq, attention = inv_frequencies(config)
+    if not (bool(torch.isfinite(inv_freq).all()) and math.isfinite(attention) and attention > 0):
+        raise ModelLoadError(
+            f"config.json: rope_theta={config.rope_theta} with rope_scaling "
+            f"{config.rope_scaling} gives non-finite rotary frequencies"
+        )
+
+
+def _llama3_inv_freq(base: float, dim: int, f: FieldReader, old_context: int) -> torch.Tensor:
     """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
     inv_freq = _base_inv_freq(base, dim)
-    factor = float(s["factor"])
-    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    factor = f.number("factor", above=0.0)
+    low = f.number("low_freq_factor", above=0.0)
+    high = f.number("high_freq_factor", above=low)
     low_wavelen, high_wavelen = old_context / low, old_context / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -97,27 +120,28 @@ def _llama3_inv_freq(base: float, dim: int, s: dict[str, Any], old_context: int)
 
 
 def _yarn_inv_freq(
-    base: float, dim: int, s: dict[str, Any], max_pos: int, original_max: int
+    base: float, dim: int, f: FieldReader, max_pos: int, original_max: int
 ) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, ramp between."""
-    factor = s.get("factor")
-    factor = float(factor) if factor is not None else max_pos / original_max
+    factor = f.number("factor", above=0.0, default=max_pos / original_max)
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    attention = s.get("attention_factor")
-    if attention is None:
-        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+    if f.get("attention_factor", None) is not None:
+        attention = f.number("attention_factor", above=0.0)
+    else:
+        m = f.number("mscale", above=-math.inf, default=0.0)
+        m_all = f.number("mscale_all_dim", above=-math.inf, default=0.0)
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    beta_fast = s.get("beta_fast") or 32
-    beta_slow = s.get("beta_slow") or 1
+    beta_fast = f.number("beta_fast", above=0.0, default=32.0) if f.get("beta_fast", 0) else 32
+    beta_slow = f.number("beta_slow", above=0.0, default=1.0) if f.get("beta_slow", 0) else 1
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if s.get("truncate", True):
+    if f.flag("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:

@@ -6,6 +6,10 @@ sandbox. The environment is configured like transformers' (`trim_blocks`, `lstri
 `{% generation %}` tag), so the prompt a model sees here is byte for byte the one it saw
 under transformers.
 
+Unlike Jinja's sandbox alone, a render is bounded in time and memory as well
+(`template_sandbox.RenderLimits`): a template that loops, repeats or computes without end
+fails its request with a one-line `ChatTemplateError` instead of hanging the server.
+
 One deliberate difference: reaching a Python-internal attribute (`''.__class__`) fails at
 once instead of rendering as an empty string, since no honest template does it and a
 silently altered prompt is worse than a clear error.
@@ -23,10 +27,16 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ninfer_core.errors import ModelLoadError, NInferError
 from ninfer_core.plugin_types import Artifact
+from ninfer_core.safe_json import JSONLimitError, loads_limited
+from ninfer_core.text.template_sandbox import (
+    BoundedSandbox,
+    RenderLimits,
+    TemplateLimitError,
+    render_bounded,
+)
 from ninfer_core.text.tokenizer import SpecialTokens
 
 #: Names a message's reasoning arrives under; templates read the first (transformers aliases).
@@ -41,7 +51,7 @@ class ChatTemplateError(NInferError):
 # -- the sandboxed environment ------------------------------------------------------------
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
+class _Sandbox(BoundedSandbox):
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         kind = type(obj).__name__
         raise SecurityError(
@@ -109,17 +119,21 @@ def _tojson(
 
 
 def _strftime_now(fmt: str) -> str:
+    if len(fmt) > 256:  # each directive can expand ~10x; real formats are a few characters
+        raise TemplateLimitError(f"a strftime format of {len(fmt):,} characters")
     return datetime.now().strftime(fmt)
 
 
-def make_environment() -> jinja2.Environment:
-    """The sandbox chat templates run in, set up as transformers sets up its own."""
+def make_environment(limits: RenderLimits | None = None) -> BoundedSandbox:
+    """The sandbox chat templates run in, set up as transformers sets up its own, within
+    `limits` of time and memory per render (`template_sandbox.py`)."""
     env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        limits=limits,
     )
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = env.bounded_filter("tojson", _tojson)
     env.globals.update(
         raise_exception=_raise_exception,
         strftime_now=_strftime_now,
@@ -202,13 +216,15 @@ class ChatTemplate:
         self,
         templates: str | Mapping[str, str],
         special_tokens: SpecialTokens | Mapping[str, str] | None = None,
+        limits: RenderLimits | None = None,
     ) -> None:
         #: name -> template source; a single template is named "default"
         self.templates = {"default": templates} if isinstance(templates, str) else dict(templates)
         if isinstance(special_tokens, SpecialTokens):
             special_tokens = special_tokens.template_vars()
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
-        self._env = make_environment()
+        self.limits = limits or RenderLimits()
+        self._env = make_environment(self.limits)
         self._compiled: dict[str, jinja2.Template] = {}
 
     @classmethod
@@ -224,9 +240,12 @@ class ChatTemplate:
         for name in ("tokenizer_config.json", "chat_template.json"):
             raw = artifact.read_text(name)
             try:
-                value = json.loads(raw).get("chat_template") if raw is not None else None
-            except (json.JSONDecodeError, AttributeError):
-                raise ModelLoadError(f"{name} in {where} is not a valid JSON object") from None
+                value = loads_limited(raw).get("chat_template") if raw is not None else None
+            except (ValueError, AttributeError) as exc:  # bad JSON, too deep, not an object
+                detail = f" ({exc})" if isinstance(exc, JSONLimitError) else ""
+                raise ModelLoadError(
+                    f"{name} in {where} is not a valid JSON object{detail}"
+                ) from None
             if isinstance(value, str):
                 return cls(value, special_tokens)
             if isinstance(value, list):
@@ -256,6 +275,12 @@ class ChatTemplate:
             except TemplateSyntaxError as exc:
                 raise ChatTemplateError(
                     f"chat template {name!r} does not parse (line {exc.lineno}): {exc.message}"
+                ) from None
+            except TemplateLimitError as exc:
+                raise ChatTemplateError(f"chat template {name!r} is refused: {exc}") from None
+            except Exception as exc:  # a parser recursing too deep, a compile-time fold
+                raise ChatTemplateError(
+                    f"chat template {name!r} does not compile: {type(exc).__name__}: {exc}"
                 ) from None
         return self._compiled[name]
 
@@ -290,13 +315,19 @@ class ChatTemplate:
         final_text = _tag_final_message(chat) if continue_final_message else None
         variables = {**self.special_tokens, **_plain(kwargs)}
         try:
-            rendered = template.render(
-                messages=chat,
-                tools=_plain(list(tools)) if tools is not None else None,
-                documents=_plain(list(documents)) if documents is not None else None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
+            rendered = render_bounded(
+                template,
+                self.limits,
+                dict(
+                    messages=chat,
+                    tools=_plain(list(tools)) if tools is not None else None,
+                    documents=_plain(list(documents)) if documents is not None else None,
+                    add_generation_prompt=add_generation_prompt,
+                    **variables,
+                ),
             )
+        except TemplateLimitError as exc:
+            raise ChatTemplateError(f"chat template {name!r} was stopped: {exc}") from None
         except SecurityError as exc:
             raise ChatTemplateError(
                 f"chat template {name!r} was refused by the sandbox: {exc}"

@@ -7,13 +7,13 @@ evaluated with. Both live here; a request's own settings override the defaults.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.plugin_types import Artifact
+from ninfer_core.safe_json import loads_limited
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _INT_FIELDS = ("top_k", "max_new_tokens")
@@ -92,7 +92,7 @@ class GenerationDefaults:
             return cls()
         where = str(getattr(artifact, "path", "the model"))
         try:
-            raw = json.loads(text)
+            raw = loads_limited(text)
             if not isinstance(raw, dict):
                 raise ValueError("it should hold a JSON object")
             return cls.from_dict(raw)
