@@ -254,7 +254,6 @@ COMMON = {  # case -> (body for chat, body for completions)
     "empty body": (b"", b""),
     "not an object": (b"[1, 2]", b"[1, 2]"),
     "null": (b"null", b"null"),
-    "missing model": (with_(CHAT, model=DROP), with_(COMPLETION, model=DROP)),
     "unknown model": (with_(CHAT, model="nope"), with_(COMPLETION, model="nope")),
     "model not a string": (with_(CHAT, model=123), with_(COMPLETION, model=123)),
     "stream not a bool": (with_(CHAT, stream="yes"), with_(COMPLETION, stream="yes")),
@@ -273,7 +272,8 @@ COMMON = {  # case -> (body for chat, body for completions)
     "max_tokens huge": (with_(CHAT, max_tokens=10**30), with_(COMPLETION, max_tokens=10**30)),
     "n huge": (with_(CHAT, n=10**20), with_(COMPLETION, n=2)),
     "seed not an int": (with_(CHAT, seed="abc"), with_(COMPLETION, seed=[1])),
-    "stop too many": (with_(CHAT, stop=["x"] * 20), with_(COMPLETION, stop=["x"] * 20)),
+    "stop too many": (with_(CHAT, stop=["x"] * 65), with_(COMPLETION, stop=["x"] * 65)),
+    "stop too long": (with_(CHAT, stop=["x" * 257]), with_(COMPLETION, stop="x" * 257)),
     "stop empty": (with_(CHAT, stop=[""]), with_(COMPLETION, stop="")),
     "stop not strings": (with_(CHAT, stop=[1]), with_(COMPLETION, stop={"a": 1})),
     "logit_bias": (with_(CHAT, logit_bias={"1": 5}), with_(COMPLETION, logit_bias={"1": 5})),
@@ -523,7 +523,7 @@ def test_serve_starts_reports_and_shuts_down_cleanly_on_sigterm(model_dir):
     args = [sys.executable, "-c", SHIM, str(model_dir), "--port", str(port), "--dtype", "fp32",
             "--max-context", "1024", "--model-id", "tiny", "--graceful-shutdown-s", "0.5",
             "--threads", "1"]  # fmt: skip
-    env = {**os.environ, "NINFER_API_KEY": ""}
+    env = {k: v for k, v in os.environ.items() if k != "NINFER_API_KEY"}  # no key
     stack = contextlib.ExitStack()
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)  # fmt: skip

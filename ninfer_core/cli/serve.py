@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from ninfer_core.engine.config import EngineConfig
 from ninfer_core.errors import NInferError
 from ninfer_core.memory.planner import MemoryConfig
 from ninfer_core.memory.table import render_table
-from ninfer_core.serve.config import ServeConfig
+from ninfer_core.serve.config import ConnectionLimits, ServeConfig
 
 if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
@@ -86,36 +86,34 @@ def main(argv: list[str] | None = None) -> int:
         code = run(ns.model, serve, engine, runtime)
     except NInferError as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
-        return 1
-    # The server and the engine have shut down. Leave without interpreter teardown: torch's
-    # native thread pools can abort a process that tears down after a cancelled shutdown.
+        code = 1
+    # Torch is loaded (and may be loading on a thread of its own): leave without interpreter
+    # teardown, whichever way the server ended, or torch's native thread pools can abort the
+    # process ("terminate called without an active exception", SIGABRT).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: RuntimeConfig) -> int:
-    import uvicorn
-
     from ninfer_core.device import probe_device
     from ninfer_core.plugin_host import create_host
     from ninfer_core.serve.app import attach_state, create_app
+    from ninfer_core.serve.server import bind_sockets, build_server, socket_urls
+    from ninfer_core.serve.shutdown import end_requests
 
     host, device = create_host(), probe_device()
     if not host.frontends:
         raise NInferError("no API frontend is installed (see `ninfer plugins`)")
+    # Bind before anything loads: a port in use or an unknown host fails here, in one line.
+    sockets = bind_sockets(serve.host, serve.port)
+    urls = socket_urls(sockets)
     print_probe(host, device, runtime)
     app = create_app(
         None, host, api_key=serve.api_key, max_request_mib=serve.max_request_mib,
-        cors=serve.cors_origins or None,
+        body_timeout_s=serve.body_timeout_s, cors=serve.cors_origins or None,
     )  # fmt: skip
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host=serve.host, port=serve.port, ws="none", lifespan="on",
-            timeout_graceful_shutdown=serve.graceful_shutdown_s,
-            log_level="info",
-        )
-    )  # fmt: skip
+    server = build_server(app, serve.limits, end_requests=lambda: end_requests(app))
     failure: list[BaseException] = []
 
     def load(loop: asyncio.AbstractEventLoop) -> None:
@@ -129,7 +127,7 @@ def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: Ru
 
         def go_live() -> None:  # on the event loop: the routes change under the router
             attach_state(app, state)
-            print(f"ready: {url(serve)}/v1 (model {state.options.model_id!r})", flush=True)
+            print(f"ready: {urls[0]}/v1 (model {state.options.model_id!r})", flush=True)
 
         loop.call_soon_threadsafe(go_live)
 
@@ -139,10 +137,13 @@ def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: Ru
         threading.Thread(target=load, args=(loop,), name="ninfer-load", daemon=True).start()
 
     app.on_startup.append(start_loading)
-    print(f"listening on {url(serve)} (loading the model; /health answers 503 until ready)")
+    print(f"listening on {', '.join(urls)} (loading the model; /health answers 503 until ready)")
     sys.stdout.flush()
     with quiet_after_shutdown():
-        server.run()
+        try:
+            server.run(sockets=sockets)
+        except SystemExit as exc:  # uvicorn's own startup failure; it logged why
+            raise NInferError(f"the HTTP server did not start (exit {exc.code})") from None
     if failure:
         exc = failure[0]
         if isinstance(exc, NInferError):
@@ -167,11 +168,6 @@ def quiet_after_shutdown() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-
-
-def url(serve: ServeConfig) -> str:
-    host = serve.host if serve.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    return f"http://{host}:{serve.port}"
 
 
 def default_model_id(model: str | None) -> str:
@@ -235,7 +231,8 @@ def load_state(
         defaults=GenerationDefaults.from_artifact(loaded.artifact),
         options=options,
     )
-    print(memory_plan(state, loaded, host), flush=True)
+    print(memory_plan(state, loaded, host))
+    print(f"threads {torch.get_num_threads()} (torch intra-op, --threads)", flush=True)
     return state
 
 
@@ -264,26 +261,38 @@ def memory_plan(state: ServeState, loaded: LoadedModel, host: PluginHost) -> str
 
 class ServerThread:
     """An app served by uvicorn on a thread of its own: for tests, benches and embedding.
-    Port 0 takes a free port; `url` says which. No signal handlers (not the main thread)."""
+    Port 0 takes a free port; `url` says which. No signal handlers (not the main thread).
+    `limits` are the connection guards and graceful period (`ConnectionLimits`); with
+    `end_requests`, what ends the outstanding requests when that period is over."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: ConnectionLimits | None = None,
+        end_requests: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        from ninfer_core.serve.server import bind_sockets, build_server
 
-        config = uvicorn.Config(
-            app, host=host, port=port, ws="none", lifespan="on", log_level="warning",
-            timeout_graceful_shutdown=5,
+        limits = limits or ConnectionLimits(graceful_shutdown_s=5)
+        self.server = build_server(app, limits, end_requests=end_requests, log_level="warning")
+        self._sockets = bind_sockets(host, port)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": self._sockets}, name="ninfer-http",
+            daemon=True,
         )  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, name="ninfer-http", daemon=True)
 
     def __enter__(self) -> ServerThread:
+        from ninfer_core.serve.server import socket_urls
+
         self._thread.start()
         while not self.server.started:
             if not self._thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        self.url = socket_urls(self._sockets)[0]
         return self
 
     def __exit__(self, *exc: object) -> None:

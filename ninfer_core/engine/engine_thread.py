@@ -53,14 +53,16 @@ class StepThread:
                 self._end(live, "error", events, error=type(error)(str(error)))
         self._emit(events)
 
-    def close(self) -> None:
-        """Stop the thread after its current step; every live request ends with an error."""
+    def close(self, reason: str = "the engine shut down") -> None:
+        """Stop the thread after its current step; every live request, running or queued,
+        ends with an `EngineClosedError(reason)` (the server's shutdown says why), so each
+        client gets its protocol's error instead of a cut connection."""
         with self._wake:
             self._closing = True
             self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        self._fail_all(EngineClosedError("the engine shut down"))
+        self._fail_all(EngineClosedError(reason))
 
     def __enter__(self) -> Self:
         return self

@@ -32,6 +32,7 @@ from ninfer_core.serve.auth import NO_AUTH, ApiKeyMiddleware
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.limits import BodyLimitMiddleware
 from ninfer_core.serve.metrics import CONTENT_TYPE, ServeMetrics
+from ninfer_core.serve.shutdown import ShutdownGuard
 from ninfer_core.serve.state import ServeState
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ def as_api_error(exc: Exception, *, ready: bool) -> ApiError:
                 message = "the request body is missing; send a JSON object"
             return ApiError(400, "invalid_request", f"invalid request body: {message}")
         return ApiError(400, "invalid_request", f"{message} at `{key}`", param=key)
+    if isinstance(exc, RecursionError):
+        # msgspec decodes JSON recursively: a body nested deeper than the interpreter's
+        # recursion limit (100k `[`) fails here, and the fault is the request's.
+        return ApiError(400, "invalid_request", "the request body is nested too deeply")
     if isinstance(exc, NotFoundException) and not ready:
         return ApiError(
             503, "unavailable", "the model is still loading", headers={"Retry-After": "5"}
@@ -151,9 +156,11 @@ def create_app(
     *,
     api_key: str | None = None,
     max_request_mib: float = 16.0,
+    body_timeout_s: float | None = None,
     cors: list[str] | None = None,
 ) -> Litestar:
-    """The app; with `state` None it answers 503 until `attach_state` is called."""
+    """The app; with `state` None it answers 503 until `attach_state` is called.
+    `body_timeout_s`: a request's whole body must arrive within it (None: no limit)."""
     frontends = list(host.frontends)
     shapes = ErrorShapes.from_frontends(frontends)
     metrics = ServeMetrics(lambda: app.state.serve)
@@ -172,9 +179,11 @@ def create_app(
     def on_error(request: Request, exc: Exception) -> Response:
         return shapes.response(request.url.path, as_api_error(exc, ready=app.state.ready))
 
-    middleware: list[Any] = [BodyLimitMiddleware(int(max_request_mib * 1024 * 1024), shapes)]
+    limit = int(max_request_mib * 1024 * 1024)
+    middleware: list[Any] = [BodyLimitMiddleware(limit, shapes, body_timeout_s)]
     if api_key:
         middleware.insert(0, ApiKeyMiddleware(api_key, shapes))
+    middleware.insert(0, ShutdownGuard(shapes))  # outermost: it answers for what it wraps
     app = Litestar(
         route_handlers=[health, metrics_route],
         middleware=middleware,

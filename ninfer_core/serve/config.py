@@ -19,10 +19,23 @@ API_KEY_ENV = "NINFER_API_KEY"
 
 
 @dataclass
+class ConnectionLimits:
+    """What the HTTP server allows a connection: the part of `ServeConfig` uvicorn gets
+    (tests and `ServerThread` build one with small values)."""
+
+    header_timeout_s: float = 10.0
+    keep_alive_s: float = 5.0
+    max_connections: int | None = 512
+    graceful_shutdown_s: float = 30.0
+
+
+@dataclass
 class ServeConfig:
     """The HTTP server: address, authentication, request limits and defaults."""
 
-    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    host: str = opt(
+        "127.0.0.1", "address(es) to listen on, comma-separated (0.0.0.0: every IPv4 interface)"
+    )
     port: int = opt(DEFAULT_PORT, "TCP port to listen on")
     model_id: str | None = opt(None, "the model name clients send; default: the folder's name")
     api_key: str | None = opt(
@@ -39,7 +52,17 @@ class ServeConfig:
     min_p: float | None = opt(None, "default min-p; 0 is off")
     repetition_penalty: float | None = opt(None, "default repetition penalty; 1 is off")
     graceful_shutdown_s: float = opt(
-        30.0, "on SIGINT/SIGTERM, seconds running requests may finish before they are cancelled"
+        30.0, "on SIGINT/SIGTERM, seconds requests may finish before each ends with a 503 error"
+    )
+    header_timeout_s: float = opt(
+        10.0, "seconds to send a request's headers (from connecting or a keep-alive wait); 0: none"
+    )
+    body_timeout_s: float = opt(
+        60.0, "seconds for a request's whole body to arrive after its headers, else 408; 0: none"
+    )
+    keep_alive_s: float = opt(5.0, "seconds an idle connection stays open between requests")
+    max_connections: int = opt(
+        512, "open connections at most; more get a 503 and are closed at once; 0: no limit"
     )
     spec: str | None = opt(None, "speculative decoding: mtp or ngram (not available yet)")
     draft_tokens: int | None = opt(None, "draft tokens per speculative round (with --spec)")
@@ -54,14 +77,32 @@ class ServeConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
-        if self.api_key is None:
-            self.api_key = os.environ.get(API_KEY_ENV) or None
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.api_key is None and API_KEY_ENV in os.environ:
+            # Set but empty is refused like `--api-key ''`: a key that went missing from a
+            # deployment's environment must not quietly open the server to everyone.
+            if not os.environ[API_KEY_ENV].strip():
+                raise ValueError(
+                    f"${API_KEY_ENV} is set but empty; unset it to serve without a key"
+                )
+            self.api_key = os.environ[API_KEY_ENV]
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty")
 
     @property
     def max_request_bytes(self) -> int:
         return int(self.max_request_mib * 1024 * 1024)
+
+    @property
+    def limits(self) -> ConnectionLimits:
+        return ConnectionLimits(
+            header_timeout_s=self.header_timeout_s,
+            keep_alive_s=self.keep_alive_s,
+            max_connections=self.max_connections or None,
+            graceful_shutdown_s=self.graceful_shutdown_s,
+        )
 
     @property
     def cors_origins(self) -> list[str]:

@@ -3,7 +3,9 @@
 The body limit runs before litestar reads the body: a `Content-Length` over the limit is
 refused without reading a byte, and a chunked body is counted as it arrives and refused the
 moment it passes the limit. A body within the limit is handed on whole, so the handler (and
-litestar's JSON decoder) never starts on something it would have to abandon.
+litestar's JSON decoder) never starts on something it would have to abandon. The whole body
+must arrive within `timeout_s` of the request's head (`--body-timeout-s`): a client trickling
+it a byte at a time gets a 408 and the connection closes (the rest of the body is unread).
 
 `until_disconnect` covers the time before a response starts: a non-streaming generation, or
 the wait for a stream's first event. A client that leaves then would otherwise keep its
@@ -43,6 +45,15 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
+def _too_slow(timeout_s: float) -> ApiError:
+    return ApiError(
+        408,
+        "invalid_request",
+        f"the request body did not arrive within {timeout_s:g} s (--body-timeout-s)",
+        headers={"Connection": "close"},
+    )
+
+
 def _declared_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -54,34 +65,51 @@ def _declared_length(scope: Scope) -> int | None:
 
 
 class BodyLimitMiddleware(ASGIMiddleware):
-    """Reads the whole body up to `limit` bytes before the handler runs; over it: 413."""
+    """Reads the whole body up to `limit` bytes, within `timeout_s`, before the handler
+    runs; over the limit: 413; too slow: 408."""
 
     scopes = (ScopeType.HTTP,)
 
-    def __init__(self, limit: int, shapes: ErrorShapes) -> None:
+    def __init__(self, limit: int, shapes: ErrorShapes, timeout_s: float | None = None) -> None:
         self.limit = limit
         self.shapes = shapes
+        self.timeout_s = timeout_s or None
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         declared = _declared_length(scope)
         if declared is not None and declared > self.limit:
             await self.shapes.send(scope, send, _too_large(self.limit))
             return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read(receive)
+        except TimeoutError:
+            await self.shapes.send(scope, send, _too_slow(self.timeout_s or 0))
+            return
+        except _TooLarge:
+            await self.shapes.send(scope, send, _too_large(self.limit))
+            return
+        if body is not None:  # None: the client left, nobody is left to answer
+            await next_app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # nobody is left to answer
+                return None
             body = message.get("body", b"")
             size += len(body)
             if size > self.limit:
-                await self.shapes.send(scope, send, _too_large(self.limit))
-                return
+                raise _TooLarge
             chunks.append(body)
             if not message.get("more_body", False):
-                break
-        await next_app(scope, _replay(b"".join(chunks), receive), send)
+                return b"".join(chunks)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -111,6 +139,10 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the server is going down: take the work with us
         task.cancel()
+        # Wait for it: a caller's cleanup (closing the generator `work` is reading) must not
+        # run while `work` is still inside it ("aclose(): asynchronous generator is already
+        # running").
+        await asyncio.gather(task, return_exceptions=True)
         raise
     finally:
         watcher.cancel()
