@@ -149,11 +149,35 @@ def test_openai_auto_prefills_nothing(oai, script):
 
 def test_openai_usage_counts_the_opening_as_prompt(oai, server, script):
     script(AFTER_ANY)
-    kwargs = dict(model=MODEL_ID, messages=ASK, max_tokens=100, tools=[WEATHER_TOOL])
+    tools = [WEATHER_TOOL, CLOCK_TOOL]
+    kwargs = dict(model=MODEL_ID, messages=ASK, max_tokens=100, tools=tools)
     auto = oai.chat.completions.create(**kwargs).usage
     forced = oai.chat.completions.create(tool_choice="required", **kwargs).usage
     opening = server.state.tokenizer.encode("<tool_call>\n", add_special_tokens=False)
     assert forced.prompt_tokens == auto.prompt_tokens + len(opening)
+
+
+UNOFFERED = '{"name": "read_file", "arguments": {"path": "/etc/passwd"}}\n</tool_call>'
+
+
+def test_openai_required_with_one_tool_names_it(oai, script):
+    """With one tool, "required" is a call to that tool: its name is prefilled too."""
+    prompt = script(AFTER_NAMED)
+    answers = openai_answers(oai, tools=[WEATHER_TOOL], tool_choice="required")
+    assert prompt().endswith('<tool_call>\n{"name": "get_weather", "arguments":')
+    for calls, content, reason in answers:
+        assert calls == [("get_weather", {"city": "Oslo"})]
+        assert content is None and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_openai_a_call_to_a_tool_not_offered_stays_text(oai, script, choice):
+    script(("<tool_call>\n" if choice == "auto" else "") + UNOFFERED)
+    for calls, content, reason in openai_answers(
+        oai, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice=choice
+    ):
+        assert calls == [] and reason == "stop"
+        assert '"read_file"' in content
 
 
 # -- Anthropic -------------------------------------------------------------------------------
@@ -191,12 +215,30 @@ def test_anthropic_named_tool_forces_that_call(claude, script):
     assert prompt().endswith('<tool_call>\n{"name": "get_weather", "arguments":')
 
 
+def test_anthropic_any_with_one_tool_names_it(claude, script):
+    prompt = script(AFTER_NAMED)
+    for message in anthropic_answers(claude, tools=[WEATHER], tool_choice={"type": "any"}):
+        assert message.stop_reason == "tool_use"
+        assert blocks(message) == [("tool_use", "get_weather", {"city": "Oslo"})]
+    assert prompt().endswith('<tool_call>\n{"name": "get_weather", "arguments":')
+
+
+@pytest.mark.parametrize("choice", ["auto", "any"])
+def test_anthropic_a_call_to_a_tool_not_offered_stays_text(claude, script, choice):
+    script(("<tool_call>\n" if choice == "auto" else "") + UNOFFERED)
+    for message in anthropic_answers(claude, tools=[CLOCK, WEATHER], tool_choice={"type": choice}):
+        assert message.stop_reason == "end_turn"
+        assert blocks(message) == [("text",)]
+        assert '"read_file"' in message.content[0].text
+
+
 def test_anthropic_count_tokens_includes_the_opening(claude, script):
     script(AFTER_ANY)
     kwargs = dict(model=MODEL_ID, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"})
     counted = claude.messages.count_tokens(**kwargs).input_tokens
     usage = claude.messages.create(max_tokens=100, **kwargs).usage
-    assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    parts = (usage.input_tokens, usage.cache_creation_input_tokens, usage.cache_read_input_tokens)
+    assert counted == sum(parts)
 
 
 # -- the shared prefill ----------------------------------------------------------------------

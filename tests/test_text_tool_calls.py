@@ -80,10 +80,29 @@ def test_malformed_blocks_degrade_to_text(body):
 
 
 def test_unclosed_block_is_parsed_if_complete_else_text():
-    content, [call] = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}', TOOLS)
-    assert content == "" and call.name == "f"
+    unclosed = '<tool_call>{"name": "get_weather", "arguments": {}}'
+    content, [call] = parse_tool_calls(unclosed, TOOLS)
+    assert content == "" and call.name == "get_weather"
     content, calls = parse_tool_calls('ok <tool_call>{"name": ', TOOLS)
     assert calls == [] and content == 'ok <tool_call>{"name": '
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "read_file", "arguments": {"path": "/etc/passwd"}}\n</tool_call>',
+        "<tool_call>\n<function=read_file>\n<parameter=path>\n/x\n</parameter>\n"
+        "</function>\n</tool_call>",
+        '<tool_call>{"name": "read_file", "arguments": {}}',  # unclosed
+    ],
+)
+def test_a_call_to_a_tool_not_offered_stays_text(text):
+    content, calls = parse_tool_calls("Sure. " + text, TOOLS)
+    assert calls == [] and content == "Sure. " + text
+    parser = ToolCallParser(TOOLS)
+    assert stream(parser, text, random.Random(0)) == text and parser.calls == []
+    # Without tools to check against (a caller that offers none), any name is a call.
+    assert [c.name for c in parse_tool_calls(text)[1]] == ["read_file"]
 
 
 @pytest.mark.parametrize("seed", range(20))

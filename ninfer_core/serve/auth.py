@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 
+from ninfer_core.serve.cache_salt import AUTHENTICATED_KEY
 from ninfer_core.serve.errors import ApiError
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class ApiKeyMiddleware(ASGIMiddleware):
             return
         presented = presented_key(scope["headers"])
         if key_matches(presented, self.expected):
+            # The key salts the request's prefix-cache blocks (serve/cache_salt.py).
+            scope[AUTHENTICATED_KEY] = presented  # type: ignore[literal-required]
             await next_app(scope, receive, send)
             return
         message = (

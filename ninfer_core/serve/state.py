@@ -18,6 +18,7 @@ from ninfer_core.sampling import SamplingParams
 from ninfer_core.serve.errors import ApiError, from_engine_error, invalid
 from ninfer_core.text import ChatTemplate, ChatTemplateError, GenerationDefaults, Tokenizer
 from ninfer_core.text.generation_config import SAMPLING_FIELDS
+from ninfer_core.text.tokenizer import TooManyTokensError
 
 
 @dataclass
@@ -62,7 +63,26 @@ class ServeState:
             )
         except ChatTemplateError as exc:
             raise invalid(f"the chat template rejected the conversation: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode_prompt(text, add_special_tokens=False)
+
+    def encode_prompt(
+        self, text: str, *, add_special_tokens: bool, param: str = "messages"
+    ) -> list[int]:
+        """A prompt's ids, refused (400, naming `param`) once they cannot fit the context: a
+        huge text is counted in pieces and given up early, never tokenized in full. Slow
+        for a long text: frontends call it (and `render`) in a worker thread."""
+        try:
+            return self.tokenizer.encode(
+                text, add_special_tokens=add_special_tokens, limit=self.max_context
+            )
+        except TooManyTokensError as exc:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"the prompt has at least {exc.at_least} tokens; this model's context is "
+                f"{self.max_context} tokens",
+                param=param,
+            ) from None
 
     def sampling(self, **given: Any) -> SamplingParams:
         """The request's values over the server's defaults over the model's; 400 if invalid."""
@@ -77,8 +97,12 @@ class ServeState:
             param = str(exc).split(" ", 1)[0]
             raise invalid(str(exc), param=param) from None
 
-    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """New-token budget: the request's, else the server default, within the context."""
+    def max_tokens(
+        self, requested: int | None, prompt_len: int, *, prompt_param: str = "messages"
+    ) -> int:
+        """New-token budget: the request's, else the server default, within the context.
+        A prompt that fills the context is a 400 naming `prompt_param` (the field that
+        carried it: `messages`, `prompt`)."""
         room = self.max_context - prompt_len
         if room <= 0:
             raise ApiError(
@@ -86,7 +110,7 @@ class ServeState:
                 "context_length_exceeded",
                 f"the prompt has {prompt_len} tokens; this model's context is "
                 f"{self.max_context} tokens",
-                param="messages",
+                param=prompt_param,
             )
         if requested is None:
             return min(self.options.default_max_tokens, room)

@@ -16,7 +16,6 @@ rewrites text (" ." becomes "."), which would make streamed text differ from the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,14 +113,41 @@ class SpecialTokens:
         return cls(named=named, extra=extra, raw={k: raw[k] for k in order})
 
 
+#: Texts longer than this (in characters) are counted and encoded in the GIL-releasing way.
+PIECE_CHARS = 1 << 16
+
+
+class TooManyTokensError(ValueError):
+    """A text has more tokens than a limit allows (`at_least` of them were counted)."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"the text has at least {at_least} tokens; the limit is {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def _piece_end(text: str, start: int) -> int:
+    """Where the piece of `text` starting at `start` ends: at most `PIECE_CHARS` on, before
+    the last whitespace in its second half when there is one."""
+    end = start + PIECE_CHARS
+    if end >= len(text):
+        return len(text)
+    cut = max(
+        text.rfind(" ", start + PIECE_CHARS // 2, end),
+        text.rfind("\n", start + PIECE_CHARS // 2, end),
+    )
+    return cut if cut > start else end
+
+
 def _read_json(read_text: Callable[[str], str | None], name: str, where: str) -> dict[str, Any]:
     """A JSON object file, {} when absent; a broken one is a `ModelLoadError` naming it."""
+    from ninfer_core.safe_json import loads_limited
+
     text = read_text(name)
     if text is None:
         return {}
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = loads_limited(text)
+    except ValueError as exc:  # bad JSON, or too large or deep (`safe_json`)
         raise ModelLoadError(f"{name} in {where} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ModelLoadError(f"{name} in {where} should hold a JSON object")
@@ -171,13 +197,61 @@ class Tokenizer:
 
     # -- encoding and decoding ------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, limit: int | None = None
+    ) -> list[int]:
         """Token ids for `text`; with `add_special_tokens`, what the post-processor adds (bos).
 
         Encode a rendered chat template with `add_special_tokens=False`: the template
         writes its own bos, as transformers' `apply_chat_template` assumes.
+
+        With `limit`, more than `limit` ids raise `TooManyTokensError`, and a long text is
+        first counted piece by piece (`count_at_least`), so a text far over the limit costs
+        about `limit` tokens' worth of work, not its whole length. A long text is encoded
+        through the batch API, which releases the GIL while the Rust side works: a server
+        encoding it in a worker thread keeps its event loop running meanwhile.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) <= PIECE_CHARS:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            if limit is not None:
+                at_least = self.count_at_least(text, limit)
+                if at_least > limit:
+                    raise TooManyTokensError(at_least, limit)
+            ids = self._encode_released(text, add_special_tokens)
+        if limit is not None and len(ids) > limit:
+            raise TooManyTokensError(len(ids), limit)
+        return ids
+
+    def count_at_least(self, text: str, limit: int) -> int:
+        """A lower bound on `len(encode(text))`, counted piece by piece and given up as soon as
+        it passes `limit` (the text is then over the limit whatever the rest holds).
+
+        Pieces are cut at whitespace where there is some, where tokenizers split anyway; a
+        cut can still split a token (or an added token such as `<|im_start|>`) into several,
+        so each cut discounts `_cut_slack` tokens from the count to keep it a lower bound.
+        """
+        count, start, cuts, slack = 0, 0, 0, self._cut_slack
+        while start < len(text):
+            end = _piece_end(text, start)
+            count += len(self._encode_released(text[start:end], False))
+            start, cuts = end, cuts + (end < len(text))
+            if count - cuts * slack > limit:
+                break
+        return max(0, count - cuts * slack)
+
+    def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
+        # `encode` holds the GIL for its whole run (seconds for megabytes); the batch call
+        # releases it. `encode_batch_fast` skips the offsets nobody here reads.
+        batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def _cut_slack(self) -> int:
+        """Tokens one cut between pieces may add at most: a split token becomes at most one
+        token per character of it; 16 covers ordinary tokens, added ones may be longer."""
+        added = self.backend.get_added_tokens_decoder().values()
+        return max([16, *(len(t.content) for t in added)])
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text for `ids`; an incomplete UTF-8 sequence shows as U+FFFD."""

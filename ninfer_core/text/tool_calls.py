@@ -5,7 +5,8 @@ Two formats are understood inside `<tool_call>…</tool_call>`:
 - XML-style, as Qwen3-Coder writes it:
   `<function=get_weather><parameter=city>Paris</parameter></function>`.
 A block that parses as neither is kept as plain text: malformed model output
-degrades to content, it never fails the request.
+degrades to content, it never fails the request. So is a call to a tool the request did
+not offer (when tools are given): a client must never receive a call it cannot run.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ def parse_tool_block(block: str, tools: list[dict[str, Any]] | None = None) -> T
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
+def _tool_name(tool: dict[str, Any]) -> str | None:
+    """A tool's name, in the OpenAI shape (`{"function": {"name"}}`) or a flat one."""
+    return tool.get("function", tool).get("name")
+
+
 def _tool_properties(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
     for tool in tools or []:
         fn = tool.get("function", tool)
@@ -95,6 +101,8 @@ class ToolCallParser:
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools
+        #: The names a call may have; None: any (no tools given to check against).
+        self.names = None if tools is None else {_tool_name(t) for t in tools}
         self.calls: list[ToolCall] = []
         self._split = TagSplitter(TOOL_OPEN, TOOL_CLOSE)
         self._block: list[str] = []
@@ -122,7 +130,7 @@ class ToolCallParser:
         """Parse the finished block; return the text to show if it is not a call."""
         body, self._block = "".join(self._block), []
         call = parse_tool_block(body, self.tools)
-        if call is not None:
+        if call is not None and (self.names is None or call.name in self.names):
             self.calls.append(call)
             return ""
         return TOOL_OPEN + body + (TOOL_CLOSE if closed else "")

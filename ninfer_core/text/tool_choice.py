@@ -5,7 +5,8 @@ OpenAI's `tool_choice: "required"` / a named function and Anthropic's `{"type": 
 schemas; short of a grammar engine, the assistant turn is prefilled with the opening of the
 model's own call form, so the model's next tokens are the call itself:
 
-- any tool: `<tool_call>\\n` — the model writes the name and the arguments;
+- any tool: `<tool_call>\\n` — the model writes the name and the arguments (with only one
+  tool offered, the choice is that tool's, named as below: `ForcedCall.among`);
 - a named tool, JSON form (Qwen2.5/Qwen3): `<tool_call>\\n{"name": "NAME", "arguments":` —
   the model writes the arguments. The prefill stops before the space: Qwen's BPE writes
   ` {` as one token, so a prompt ending in a bare space would ask for a token sequence the
@@ -24,6 +25,7 @@ the choice stays a request the model may ignore.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -40,6 +42,12 @@ class ForcedCall:
     """A tool choice that must end in a call: to any of the tools (`name` None) or to one."""
 
     name: str | None = None
+
+    @classmethod
+    def among(cls, names: Sequence[str]) -> ForcedCall:
+        """A call to any of the tools `names`: with only one tool that is a call to it, so
+        it is forced by name (its name prefilled too) and the model cannot pick another."""
+        return cls(names[0] if len(set(names)) == 1 else None)
 
 
 def call_format(template: ChatTemplate | None) -> Literal["json", "xml"] | None:

@@ -174,7 +174,7 @@ def to_prompt(request: wire.PromptFields) -> Prompt:
     choice = request.tool_choice
     forced = None
     if isinstance(choice, wire.ToolChoiceAny):
-        forced = ForcedCall()
+        forced = ForcedCall.among([tool.name for tool in request.tools or ()])
     elif isinstance(choice, wire.ToolChoiceTool):
         forced = ForcedCall(choice.name)
     return Prompt(messages, _tools(request), kwargs, prefill, forced)
@@ -206,7 +206,7 @@ def _render(state: ServeState, prompt: Prompt) -> list[int]:
         )
     except ChatTemplateError as exc:
         raise invalid(f"the chat template rejected the conversation: {exc}") from None
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return state.encode_prompt(text, add_special_tokens=False)
 
 
 def opens_thinking(state: ServeState, prompt_ids: list[int]) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +24,22 @@ from litestar.di import NamedDependency
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from ninfer_core.engine.request import FinishEvent, GenerationRequest, Usage
-from ninfer_core.serve.errors import ApiError
+from ninfer_core.engine.request import FinishEvent, GenerationRequest, TokenEvent, Usage
+from ninfer_core.serve.cache_salt import cache_salt
+from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
 from plugins.frontend_anthropic import convert
 from plugins.frontend_anthropic.blocks import BlockAssembler
 from plugins.frontend_anthropic.context import Context
 from plugins.frontend_anthropic.errors import error_body
 from plugins.frontend_anthropic.pump import TICK, EventPump
+from plugins.frontend_anthropic.usage import usage
 from plugins.frontend_anthropic.wire import MessagesRequest
 
 log = logging.getLogger(__name__)
+
+#: The caps on stop sequences, the same in both protocols (see the OpenAI frontend's).
+MAX_STOPS, MAX_STOP_CHARS = 64, 256
 
 
 @dataclass
@@ -59,13 +64,52 @@ class Plan:
         return blocks
 
 
-async def plan(ctx: Context, data: MessagesRequest) -> Plan:
+def stop_sequences(given: list[str] | None) -> tuple[str, ...]:
+    """The request's stop strings (empty ones dropped), within the caps the OpenAI frontend
+    applies too: each is checked against every new piece of text, so one request with
+    thousands of them would slow every other request's decode."""
+    stops = tuple(s for s in given or () if s)
+    if len(stops) > MAX_STOPS:
+        raise invalid(
+            f"stop_sequences: at most {MAX_STOPS} stop sequences, got {len(stops)}",
+            param="stop_sequences",
+        )
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise invalid(
+            f"stop_sequences: a stop sequence has at most {MAX_STOP_CHARS} characters, "
+            f"got {longest}",
+            param="stop_sequences",
+        )
+    return stops
+
+
+def refuse_structured_output(data: MessagesRequest) -> None:
+    """Structured output needs constrained decoding, which this server does not have: a
+    schema is refused rather than silently ignored (as OpenAI's `response_format` is)."""
+    for param, given in (
+        ("output_config.format", data.output_config and data.output_config.format),
+        ("output_format", data.output_format),
+    ):
+        if given is not None:
+            raise invalid(
+                f"{param}: structured output is not supported by this server "
+                "(decoding is not constrained here)",
+                param=param,
+            )
+
+
+async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) -> Plan:
+    """Everything a request can be refused for, checked before the engine sees it; `scope`
+    (the request's ASGI scope) carries the key that salts its prefix-cache blocks."""
     ctx.check_model(data.model)
+    refuse_structured_output(data)
+    salt = cache_salt(scope, data.cache_salt)
     state = ctx.state
+    stops = stop_sequences(data.stop_sequences)
     prompt = convert.to_prompt(data)
     # Rendering a long conversation takes a while; other streams keep flowing meanwhile.
     ids = await asyncio.to_thread(convert.render, state, prompt)
-    stops = tuple(s for s in data.stop_sequences or () if s)
     # Agents ask for a fixed max_tokens (Claude Code: 32000) however long the conversation
     # has grown; like Anthropic's API, the budget shrinks to what the context has left and
     # the answer says so. A budget no context could hold is still refused.
@@ -77,21 +121,12 @@ async def plan(ctx: Context, data: MessagesRequest) -> Plan:
         state.sampling(temperature=data.temperature, top_p=data.top_p, top_k=data.top_k),
         max_tokens=state.max_tokens(budget, len(ids)),
         stop=stops,
+        cache_salt=salt,
     )
     thinking_open = convert.opens_thinking(state, ids)
     clamped = budget < data.max_tokens
     opening = convert.opening(state, prompt)
     return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped, opening)
-
-
-def usage(u: Usage) -> dict[str, int]:
-    """Anthropic counts cache reads apart: input + cache_read is the whole prompt."""
-    return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": u.cached_tokens,
-        "output_tokens": u.completion_tokens,
-    }
 
 
 def stop_reason(plan: Plan, finish: FinishEvent, tool_use: bool) -> tuple[str, str | None]:
@@ -125,7 +160,7 @@ async def create_message(
     data: JSONBody[MessagesRequest],
     anthropic: NamedDependency[Context],
 ) -> Response[Any]:
-    p = await plan(anthropic, data)
+    p = await plan(anthropic, data, request.scope)
     state, mid = anthropic.state, "msg_" + uuid.uuid4().hex[:24]
     headers = {"request-id": "req_" + p.request.request_id[:24]}
     if data.stream:
@@ -142,7 +177,7 @@ async def create_message(
     finish = await until_disconnect(request, collect(state.generate(p.request), blocks))
     reason, sequence = stop_reason(p, finish, blocks.has_tool_use)
     body = message(mid, p, blocks.blocks, stop_reason=reason, stop_sequence=sequence,
-                   usage=usage(finish.usage))  # fmt: skip
+                   usage=usage(finish.usage, state.engine.config))  # fmt: skip
     return Response(body, status_code=200, headers=headers)
 
 
@@ -161,8 +196,14 @@ async def stream(
     Leaving early (the client went away) closes the pump, which cancels the request.
     """
     try:
-        start = Usage(len(plan.request.prompt_ids), 0)
-        yield _sse({"type": "message_start", "message": message(mid, plan, [], usage=usage(start))})
+        # The first event (waited for before the stream started) says what the prefix cache
+        # supplied, so message_start already splits the prompt, as Anthropic's does.
+        first = pump.peek()
+        cached = first.cached_tokens if isinstance(first, TokenEvent) else None
+        start = Usage(len(plan.request.prompt_ids), 0, cached or 0)
+        config = ctx.state.engine.config
+        head = message(mid, plan, [], usage=usage(start, config))
+        yield _sse({"type": "message_start", "message": head})
         yield _sse(PING)
         blocks, finish = plan.assembler(), None
         while finish is None:
@@ -180,7 +221,7 @@ async def stream(
             yield _sse(event)
         reason, sequence = stop_reason(plan, finish, blocks.has_tool_use)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        yield _sse({"type": "message_delta", "delta": delta, "usage": usage(finish.usage)})
+        yield _sse({"type": "message_delta", "delta": delta, "usage": usage(finish.usage, config)})
         yield _sse({"type": "message_stop"})
     except ApiError as exc:
         yield _sse(error_body(exc.status, exc.message, exc.kind))

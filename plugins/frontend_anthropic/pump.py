@@ -44,6 +44,13 @@ class EventPump:
             task, self._task = self._task, None
             task.result()
 
+    def peek(self) -> Any:
+        """The next event if it has already come (it stays the next), else None."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()
+
     async def next(self, timeout: float) -> Any:
         """The next event, `TICK` after `timeout` seconds without one, or None at the end."""
         if self._task is None:

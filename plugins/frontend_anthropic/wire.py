@@ -130,6 +130,11 @@ Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | ThinkingBetwe
 # -- requests ------------------------------------------------------------------------------
 
 
+class OutputConfig(Struct, kw_only=True):
+    format: dict[str, Any] | None = None
+    effort: str | None = None
+
+
 class PromptFields(Struct, kw_only=True):
     """What decides the prompt: shared by `/v1/messages` and `/v1/messages/count_tokens`."""
 
@@ -155,3 +160,11 @@ class MessagesRequest(PromptFields, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    #: Only requests with the same salt share prefix-cache blocks (vLLM's field; see
+    #: ninfer_core/serve/cache_salt.py).
+    cache_salt: str | None = None
+    #: `format` (structured output) is refused until decoding can be constrained;
+    #: `effort` and the rest are accepted and ignored.
+    output_config: OutputConfig | None = None
+    #: The structured-output beta's older spelling of `output_config.format`: refused too.
+    output_format: dict[str, Any] | None = None

@@ -10,6 +10,7 @@ when asked for (`stream_options.include_usage`), a last chunk with the usage.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from litestar import Request, Response, post
@@ -75,7 +76,7 @@ def route_handlers(state: ServeState) -> list:
     async def chat_completions(
         request: Request, data: JSONBody[wire.ChatCompletionRequest]
     ) -> Response:
-        check_model(state, data.model)
+        model = check_model(state, data.model)
         refuse_unsupported(data)
         if data.logprobs or data.top_logprobs:
             raise refuse("logprobs", "log probabilities are not supported by this server")
@@ -83,15 +84,21 @@ def route_handlers(state: ServeState) -> list:
             raise refuse("response_format", "only 'text' (decoding is not constrained here)")
         messages = template_messages(data.messages)
         tools, parse_tools = template_tools(data)
-        prompt = state.render(messages, tools, **template_kwargs(data))
+        kwargs = template_kwargs(data)
         opening = call_opening(state.template, forced_call(data))
-        prompt = with_opening(state.tokenizer, prompt, opening)
+
+        def build() -> list[int]:
+            return with_opening(state.tokenizer, state.render(messages, tools, **kwargs), opening)
+
+        # Rendering and tokenizing a long conversation takes a while: off the event loop,
+        # so /health and the other streams keep going meanwhile.
+        prompt = await asyncio.to_thread(build)
         budget = (
             data.max_completion_tokens
             if data.max_completion_tokens is not None
             else (data.max_tokens)
         )
-        gen = generation_request(state, data, prompt, budget)
+        gen = generation_request(state, data, prompt, budget, scope=request.scope)
         output = ChatOutput(
             tools if parse_tools else None, thinking_open=thinking_open(state, prompt)
         )
@@ -101,7 +108,7 @@ def route_handlers(state: ServeState) -> list:
         if data.stream:
             first = await first_event(request, events)
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            chunks = stream(first, events, output, rid, created, data.model, include_usage)
+            chunks = stream(first, events, output, rid, created, model, include_usage)
             return sse(chunks)
         finish = await until_disconnect(request, collect(events, output.feed))
         output.finish()
@@ -112,9 +119,7 @@ def route_handlers(state: ServeState) -> list:
             tool_calls=out_calls(output.calls),
         )
         choice = wire.ChatChoice(0, message, finish_reason(finish.reason, output.calls))
-        return Response(
-            wire.ChatCompletion(rid, created, data.model, [choice], usage(finish.usage))
-        )
+        return Response(wire.ChatCompletion(rid, created, model, [choice], usage(finish.usage)))
 
     return [chat_completions]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -14,13 +14,18 @@ from litestar.response import ServerSentEvent
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent, GenerationRequest
 from ninfer_core.engine.request import Usage as EngineUsage
+from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from plugins.frontend_openai import wire
 from plugins.frontend_openai.errors import error_body
 
-MAX_STOPS = 16
+#: Stop strings are checked against every new piece of text: their number and length are
+#: bounded so that one request cannot slow every other one's decode. No real client comes
+#: near these (OpenAI's own API takes 4); the Anthropic frontend applies the same caps.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 256
 SAMPLING = (
     "temperature",
     "top_p",
@@ -41,7 +46,11 @@ def now() -> int:
     return int(time.time())
 
 
-def check_model(state: ServeState, model: str) -> None:
+def check_model(state: ServeState, model: str | None) -> str:
+    """The model the request is for: the served one when it names none (as vLLM and
+    llama.cpp take it); naming another is a 404."""
+    if model is None:
+        return state.options.model_id
     if model != state.options.model_id:
         raise ApiError(
             404,
@@ -49,6 +58,7 @@ def check_model(state: ServeState, model: str) -> None:
             f"the model {model!r} does not exist; this server serves {state.options.model_id!r}",
             param="model",
         )
+    return model
 
 
 def refuse(param: str, why: str) -> ApiError:
@@ -61,6 +71,7 @@ def refuse_unsupported(data: wire.SamplingFields) -> None:
         raise refuse("n", "only one choice per request is supported (n=1)")
     if data.logit_bias:
         raise refuse("logit_bias", "not supported by this server")
+    stop_strings(data.stop)  # checked before the prompt is rendered: 100k stops cost nothing
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -69,19 +80,37 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
         raise refuse("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
     if any(not s for s in stops):
         raise refuse("stop", "stop sequences must not be empty")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise refuse(
+            "stop", f"a stop sequence has at most {MAX_STOP_CHARS} characters, got {longest}"
+        )
     return stops
 
 
 def generation_request(
-    state: ServeState, data: wire.SamplingFields, prompt_ids: list[int], max_tokens: int | None
+    state: ServeState,
+    data: wire.SamplingFields,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    *,
+    scope: Mapping[str, Any],
+    prompt_param: str = "messages",
 ) -> GenerationRequest:
     """The engine request: sampling over the server's defaults, the budget within the
-    context, stops; every invalid value a 400 naming its field."""
+    context, stops, the prefix-cache salt (from the request's ASGI `scope` and its
+    `cache_salt`); every invalid value a 400 naming its field (`prompt_param`: the field
+    that carried the prompt)."""
     stops = stop_strings(data.stop)
     params = state.sampling(**{name: getattr(data, name) for name in SAMPLING})
-    budget = state.max_tokens(max_tokens, len(prompt_ids))
+    budget = state.max_tokens(max_tokens, len(prompt_ids), prompt_param=prompt_param)
     return GenerationRequest(
-        prompt_ids, params, max_tokens=budget, stop=stops, ignore_eos=data.ignore_eos
+        prompt_ids,
+        params,
+        max_tokens=budget,
+        stop=stops,
+        ignore_eos=data.ignore_eos,
+        cache_salt=cache_salt(scope, data.cache_salt),
     )
 
 

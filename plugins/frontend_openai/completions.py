@@ -7,6 +7,7 @@ taken as they are, once checked against the vocabulary.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from litestar import Request, Response, post
@@ -40,7 +41,7 @@ def prompt_ids(state: ServeState, prompt: str | list) -> tuple[list[int], str | 
     if isinstance(prompt, str):
         if not prompt:
             raise refuse("prompt", "the prompt is empty")
-        return state.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        return state.encode_prompt(prompt, add_special_tokens=True, param="prompt"), prompt
     if not prompt:
         raise refuse("prompt", "the prompt is empty")
     if not all(isinstance(t, int) for t in prompt):
@@ -70,7 +71,7 @@ def route_handlers(state: ServeState) -> list:
         },
     )
     async def completions(request: Request, data: JSONBody[wire.CompletionRequest]) -> Response:
-        check_model(state, data.model)
+        model = check_model(state, data.model)
         refuse_unsupported(data)
         if data.suffix:
             raise refuse("suffix", "insertion (suffix) is not supported by this server")
@@ -78,19 +79,22 @@ def route_handlers(state: ServeState) -> list:
             raise refuse("logprobs", "log probabilities are not supported by this server")
         if data.best_of not in (None, 1):
             raise refuse("best_of", "only best_of=1 is supported")
-        ids, text = prompt_ids(state, data.prompt)
-        gen = generation_request(state, data, ids, data.max_tokens)
+        # Tokenizing a long text takes a while: off the event loop.
+        ids, text = await asyncio.to_thread(prompt_ids, state, data.prompt)
+        gen = generation_request(
+            state, data, ids, data.max_tokens, scope=request.scope, prompt_param="prompt"
+        )
         echo = (text if text is not None else state.tokenizer.decode(ids)) if data.echo else ""
         events = state.generate(gen)
         rid, created = new_id("cmpl"), now()
         if data.stream:
             first = await first_event(request, events)
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            return sse(stream(first, events, echo, rid, created, data.model, include_usage))
+            return sse(stream(first, events, echo, rid, created, model, include_usage))
         parts: list[str] = [echo]
         finish = await until_disconnect(request, collect(events, parts.append))
         choice = wire.CompletionChoice(0, "".join(parts), finish_reason(finish.reason))
-        return Response(wire.Completion(rid, created, data.model, [choice], usage(finish.usage)))
+        return Response(wire.Completion(rid, created, model, [choice], usage(finish.usage)))
 
     return [completions]
 

@@ -117,7 +117,9 @@ def forced_call(data: wire.ChatCompletionRequest) -> ForcedCall | None:
     """The call "required" or a named choice forces (checked by `template_tools`)."""
     if isinstance(data.tool_choice, wire.NamedToolChoice):
         return ForcedCall(data.tool_choice.function.name)
-    return ForcedCall() if data.tool_choice == "required" and data.tools else None
+    if data.tool_choice == "required" and data.tools:
+        return ForcedCall.among([t.function.name for t in data.tools])
+    return None
 
 
 def template_kwargs(data: wire.ChatCompletionRequest) -> dict[str, Any]:

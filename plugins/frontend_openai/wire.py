@@ -79,7 +79,8 @@ class ResponseFormat(Struct):
 class SamplingFields(Struct, kw_only=True):
     """What chat and completions requests share."""
 
-    model: str
+    #: Optional, as vLLM and llama.cpp take it: none means the served model.
+    model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
@@ -95,6 +96,9 @@ class SamplingFields(Struct, kw_only=True):
     n: int | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    #: Only requests with the same salt share prefix-cache blocks (vLLM's field; see
+    #: ninfer_core/serve/cache_salt.py).
+    cache_salt: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
