@@ -7,15 +7,11 @@ import json
 import socket
 
 import pytest
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import MODEL_ID, frontends_host, make_state, serving, write_serve_model
 
-import plugins.frontend_openai as frontend_openai
 from ninfer_core.bench.serve import ServeBenchConfig, percentile, prompt_text, run_serve_bench
 from ninfer_core.cli.main import main as ninfer_main
-from ninfer_core.cli.serve import ServerThread
 from ninfer_core.errors import NInferError
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 
 KEY = "bench-key"
 TINY = ["--requests", "2", "--max-tokens", "4", "--prompt-tokens", "24", "--api-key", KEY]
@@ -26,12 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("bench-serve-model")))
-    host = create_host(
-        load_entry_points=False, extra_plugins=[("frontend-openai", frontend_openai)]
-    )
-    with ServerThread(create_app(state, host, api_key=KEY)) as srv:
+    with serving(state, frontends_host(anthropic=False), api_key=KEY) as srv:
         yield srv
-    state.engine.close()
 
 
 def bench_json(capsys, *args: str) -> dict:

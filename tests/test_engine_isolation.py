@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
+from engine_helpers import prompt, tiny_engine
 
-from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.faults import unusable_rows
 from ninfer_core.engine.request import GenerationRequest, RequestResult
@@ -34,18 +34,10 @@ class FakeClock:
 
 @pytest.fixture
 def make_engine(engine_model):
-    loaded, host, device = engine_model
-
     def make(**config) -> Engine:
-        config = {"kv_capacity": 1024, **config}
-        return Engine(loaded, EngineConfig(**config), host=host, device=device,
-                      kv_dtype="fp32", clock=FakeClock())  # fmt: skip
+        return tiny_engine(engine_model, clock=FakeClock(), **config)
 
     return make
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 PROMPTS = [prompt(11, 1), prompt(19, 2), prompt(7, 3)]
@@ -59,11 +51,9 @@ def request(ids: list[int], params: SamplingParams = GREEDY) -> GenerationReques
 @pytest.fixture(scope="module")
 def alone(engine_model) -> list[list[int]]:
     """Each prompt's tokens, run on an engine of its own (the independent reference)."""
-    loaded, host, device = engine_model
     out = []
     for ids in PROMPTS:
-        engine = Engine(loaded, EngineConfig(kv_capacity=1024, prefix_cache=False), host=host,
-                        device=device, kv_dtype="fp32", clock=FakeClock())  # fmt: skip
+        engine = tiny_engine(engine_model, clock=FakeClock(), prefix_cache=False)
         out.append(engine.generate([request(ids)])[0].token_ids)
     return out
 

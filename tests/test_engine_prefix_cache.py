@@ -12,10 +12,9 @@ import random
 import time
 
 import pytest
-import torch
+from engine_helpers import computed, prompt, tiny_engine
 
 from ninfer_core.engine.block_manager import BlockManager
-from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.prefix_cache import chain_hashes
 from ninfer_core.engine.request import FinishEvent, GenerationRequest, OverloadedError
@@ -29,10 +28,6 @@ GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def request(ids: list[int], max_tokens: int = 8) -> GenerationRequest:
     return GenerationRequest(ids, GREEDY, max_tokens=max_tokens, ignore_eos=True)
 
@@ -40,16 +35,6 @@ def request(ids: list[int], max_tokens: int = 8) -> GenerationRequest:
 # --------------------------------------------------------------------------
 # BlockManager by hand
 # --------------------------------------------------------------------------
-
-
-def computed(bm: BlockManager, ids: list[int]) -> Sequence:
-    """A sequence admitted, allocated and 'run' through all its tokens, blocks committed."""
-    seq = Sequence(ids)
-    bm.admit(seq)
-    bm.allocate(seq, seq.num_pending_tokens)
-    seq.num_computed_tokens = len(seq)
-    bm.commit(seq)
-    return seq
 
 
 def test_shared_prefix_blocks_are_reference_counted():
@@ -136,11 +121,8 @@ def test_check_invariants_catches_a_double_free_and_a_leak():
 
 @pytest.fixture
 def make_engine(engine_model):
-    loaded, host, device = engine_model
-
     def make(**config) -> Engine:
-        config = {"kv_capacity": 1024, "block_size": BLOCK, **config}
-        return Engine(loaded, EngineConfig(**config), host=host, device=device, kv_dtype="fp32")
+        return tiny_engine(engine_model, **{"block_size": BLOCK, **config})
 
     return make
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
+from engine_helpers import prompt, tiny_engine
 
-from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.request import (
     FinishEvent,
@@ -41,18 +40,10 @@ class FakeClock:
 
 @pytest.fixture
 def make_engine(engine_model):
-    loaded, host, device = engine_model
-
     def make(clock=None, **config) -> Engine:
-        config = {"kv_capacity": 1024, **config}
-        return Engine(loaded, EngineConfig(**config), host=host, device=device,
-                      kv_dtype="fp32", clock=clock or FakeClock())  # fmt: skip
+        return tiny_engine(engine_model, clock=clock or FakeClock(), **config)
 
     return make
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def request(ids: list[int], max_tokens: int = 12, **kw) -> GenerationRequest:

@@ -231,31 +231,23 @@ def test_server_answers_400_and_stays_up(tmp_path):
     """A hostile template fails its request with a 400 that says why; the server goes on
     serving (a raw completion, /health) instead of hanging."""
     import httpx
-    from serve_fixtures import MODEL_ID, make_state, write_serve_model
-
-    import plugins.frontend_openai as frontend_openai
-    from ninfer_core.cli.serve import ServerThread
-    from ninfer_core.plugin_host import create_host
-    from ninfer_core.serve.app import create_app
+    from serve_fixtures import MODEL_ID, frontends_host, make_state, serving, write_serve_model
 
     state = make_state(write_serve_model(tmp_path / "model"))
     nested = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
-    host = create_host(
-        load_entry_points=False, extra_plugins=[("frontend-openai", frontend_openai)]
-    )
     chat = {"model": MODEL_ID, "messages": MESSAGES, "max_tokens": 2}
-    try:
-        with ServerThread(create_app(state, host)) as srv, httpx.Client(timeout=60) as http:
-            for source, says in (
-                (nested, "loops ran more than 200,000 iterations"),
-                ("{{ 'x' * 10**9 }}", "repeating a str"),
-            ):
-                state.template = ChatTemplate(source, limits=SMALL)
-                answer = http.post(srv.url + "/v1/chat/completions", json=chat)
-                assert answer.status_code == 400, answer.text
-                assert says in answer.json()["error"]["message"]
-            raw = {"model": MODEL_ID, "prompt": "hello", "max_tokens": 2}
-            assert http.post(srv.url + "/v1/completions", json=raw).status_code == 200
-            assert http.get(srv.url + "/health").status_code == 200
-    finally:
-        state.engine.close()
+    with (
+        serving(state, frontends_host(anthropic=False)) as srv,
+        httpx.Client(timeout=60) as http,
+    ):
+        for source, says in (
+            (nested, "loops ran more than 200,000 iterations"),
+            ("{{ 'x' * 10**9 }}", "repeating a str"),
+        ):
+            state.template = ChatTemplate(source, limits=SMALL)
+            answer = http.post(srv.url + "/v1/chat/completions", json=chat)
+            assert answer.status_code == 400, answer.text
+            assert says in answer.json()["error"]["message"]
+        raw = {"model": MODEL_ID, "prompt": "hello", "max_tokens": 2}
+        assert http.post(srv.url + "/v1/completions", json=raw).status_code == 200
+        assert http.get(srv.url + "/health").status_code == 200

@@ -10,11 +10,9 @@ across salts (or a salted chain that lost its own pages) would show as a wrong t
 from __future__ import annotations
 
 import pytest
-import torch
+from engine_helpers import computed, prompt, tiny_engine
 
 from ninfer_core.engine.block_manager import BlockManager
-from ninfer_core.engine.config import EngineConfig
-from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.prefix_cache import chain_hashes, salted_root
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sequence import Sequence
@@ -23,20 +21,6 @@ from ninfer_core.sampling import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def computed(bm: BlockManager, ids: list[int], salt: str | None) -> Sequence:
-    """A sequence admitted, allocated and 'run' through all its tokens, blocks committed."""
-    seq = Sequence(ids, cache_salt=salt)
-    bm.admit(seq)
-    bm.allocate(seq, seq.num_pending_tokens)
-    seq.num_computed_tokens = len(seq)
-    bm.commit(seq)
-    return seq
 
 
 def test_salted_roots_differ_from_each_other_and_from_the_pool_root():
@@ -69,10 +53,7 @@ def test_block_manager_shares_only_within_a_salt(first, second, hits):
 
 @pytest.fixture
 def engine(engine_model):
-    loaded, host, device = engine_model
-    config = EngineConfig(kv_capacity=1024, max_concurrency=2)
-    return Engine(loaded, config, host=host, device=device, kv_dtype="fp32",
-                  clock=lambda: 0.0)  # fmt: skip
+    return tiny_engine(engine_model, clock=lambda: 0.0, max_concurrency=2)
 
 
 def request(ids: list[int], salt: str | None) -> GenerationRequest:
@@ -81,9 +62,7 @@ def request(ids: list[int], salt: str | None) -> GenerationRequest:
 
 def test_same_prompt_different_salt_reads_zero_cached_tokens(engine, engine_model):
     ids = prompt(70, seed=3)  # 4 full blocks; at most all but the last token can match
-    loaded, host, device = engine_model
-    cold = Engine(loaded, EngineConfig(kv_capacity=1024, prefix_cache=False), host=host,
-                  device=device, kv_dtype="fp32", clock=lambda: 0.0)  # fmt: skip
+    cold = tiny_engine(engine_model, clock=lambda: 0.0, prefix_cache=False)
     want = cold.generate([request(ids, None)])[0].token_ids
     runs = [("tenant-a", 0), ("tenant-b", 0), (None, 0), ("tenant-a", 64), ("tenant-b", 64)]
     for salt, cached in runs:

@@ -15,13 +15,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
 
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
-from ninfer_core.cli.serve import ServerThread
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 from ninfer_core.text.tokenizer import PIECE_CHARS, TooManyTokensError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,17 +63,8 @@ class RecordingBackend:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("big-prompt-model")))
-    host = create_host(
-        load_entry_points=False,
-        extra_plugins=[
-            ("frontend-openai", frontend_openai),
-            ("frontend-anthropic", frontend_anthropic),
-        ],
-    )
-    with ServerThread(create_app(state, host)) as srv:
-        srv.state = state
+    with serving(state) as srv:
         yield srv
-    state.engine.close()
 
 
 @pytest.fixture

@@ -8,28 +8,25 @@ Raw sockets against a real uvicorn server (`ServerThread`, with the same protoco
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import (
+    MODEL_ID,
+    health_status,
+    make_state,
+    serve_process,
+    serving,
+    write_serve_model,
+)
 
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
-from ninfer_core.cli.serve import ServerThread
 from ninfer_core.cli.serve import main as serve_main
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 from ninfer_core.serve.config import API_KEY_ENV, ConnectionLimits
 from ninfer_core.serve.server import bind_sockets
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LIMITS = ConnectionLimits(header_timeout_s=1.0, keep_alive_s=1.0, max_connections=6,
@@ -47,17 +44,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    state = make_state(model_dir)
-    host = create_host(
-        load_entry_points=False,
-        extra_plugins=[("frontend-openai", frontend_openai),
-                       ("frontend-anthropic", frontend_anthropic)],
-    )  # fmt: skip
-    app = create_app(state, host, body_timeout_s=BODY_TIMEOUT_S)
-    with ServerThread(app, limits=LIMITS) as srv:
-        srv.port, srv.state = int(srv.url.rsplit(":", 1)[1]), state
+    with serving(make_state(model_dir), limits=LIMITS, body_timeout_s=BODY_TIMEOUT_S) as srv:
+        srv.port = int(srv.url.rsplit(":", 1)[1])
         yield srv
-    state.engine.close()
 
 
 def connect(server) -> socket.socket:
@@ -234,36 +223,13 @@ def ipv6_loopback() -> bool:
         return False
 
 
-# The command as users run it; the shim registers the OpenAI frontend as its entry point will.
-SHIM = """
-import sys
-import ninfer_core.plugin_host as ph
-import plugins.frontend_openai as fo
-real = ph.create_host
-def create_host(**kw):
-    host = real(**kw)
-    return host if "openai" in host.frontends else real(extra_plugins=[("frontend-openai", fo)])
-ph.create_host = create_host
-from ninfer_core.cli.serve import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def serve_command(model_dir, *options: str) -> subprocess.Popen:
-    args = [sys.executable, "-c", SHIM, str(model_dir), "--dtype", "fp32", "--max-context",
-            "1024", "--threads", "1", *options]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
-
-
 @pytest.mark.parametrize("where", ["in use", "unknown host"])
 def test_serve_exits_1_with_one_line_when_it_cannot_listen(model_dir, where):
     (taken,) = bind_sockets("127.0.0.1", 0)
     port = str(taken.getsockname()[1])
     host = "127.0.0.1" if where == "in use" else "no-such-host.invalid"
     try:
-        proc = serve_command(model_dir, "--host", host, "--port", port)
+        proc = serve_process(model_dir, "--host", host, "--port", port)
         _, err = proc.communicate(timeout=120)
     finally:
         taken.close()
@@ -277,14 +243,14 @@ def test_serve_listens_on_a_host_list_and_prints_the_real_addresses(model_dir):
     (probe,) = bind_sockets("127.0.0.1", 0)
     port = probe.getsockname()[1]
     probe.close()
-    proc = serve_command(model_dir, "--host", hosts, "--port", str(port))
+    proc = serve_process(model_dir, "--host", hosts, "--port", str(port))
     try:
         deadline = time.monotonic() + 120
-        while _health(f"http://127.0.0.1:{port}") != 200:
+        while health_status(f"http://127.0.0.1:{port}") != 200:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         if "::1" in hosts:
-            assert _health(f"http://[::1]:{port}") == 200
+            assert health_status(f"http://[::1]:{port}") == 200
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -295,13 +261,6 @@ def test_serve_listens_on_a_host_list_and_prints_the_real_addresses(model_dir):
     expected = f"http://0.0.0.0:{port}" + (f", http://[::1]:{port}" if "::1" in hosts else "")
     assert f"listening on {expected} (" in out, out
     assert "threads 1 " in out, out
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code
-    except httpx.TransportError:
-        return 0
 
 
 def test_an_empty_api_key_is_refused_from_the_environment_as_from_the_option(monkeypatch, capsys):

@@ -10,14 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -25,20 +21,26 @@ import openai
 import pytest
 from litestar import post
 from litestar.params import JSONBody
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import (
+    MODEL_ID,
+    frontends_host,
+    health_status,
+    make_state,
+    serve_process,
+    serving,
+    wait_for,
+    write_serve_model,
+)
 
-import plugins.frontend_openai as frontend_openai
 from ninfer_core import hookimpl
 from ninfer_core.cli.serve import ServerThread
 from ninfer_core.cli.serve import main as serve_main
-from ninfer_core.plugin_host import create_host
 from ninfer_core.serve.app import ErrorShapes, attach_state, create_app
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.support import Support
 
 KEY = "s3cret"
 LIMIT_MIB = 0.05  # ~52 KB: small enough to test, large enough for every honest request here
-ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -79,13 +81,10 @@ class MessagesLikePlugin:
         return [MessagesLike()]
 
 
-def frontends_host(*, messages_like: bool = False):
-    """The frontends only (no entry points: an installed Anthropic frontend would claim
+def openai_host(*extra: tuple[str, object]):
+    """The OpenAI frontend and `extra` only (no Anthropic frontend: it would claim
     /v1/messages too)."""
-    plugins = [("frontend-openai", frontend_openai)]
-    if messages_like:
-        plugins.append(("messages-like", MessagesLikePlugin))
-    return create_host(load_entry_points=False, extra_plugins=plugins)
+    return frontends_host(*extra, anthropic=False)
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +95,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     state = make_state(model_dir, max_concurrency=4, max_pending_requests=64, kv_capacity=8192)
-    app = create_app(
-        state, frontends_host(messages_like=True), api_key=KEY, max_request_mib=LIMIT_MIB
-    )
-    with ServerThread(app) as srv:
-        srv.state = state
+    host = openai_host(("messages-like", MessagesLikePlugin))
+    with serving(state, host, api_key=KEY, max_request_mib=LIMIT_MIB) as srv:
         yield srv
-    state.engine.close()
 
 
 @pytest.fixture
@@ -121,13 +116,6 @@ def openai_error(response: httpx.Response) -> dict:
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["message"]
     return body["error"]
-
-
-def wait_for(condition, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out waiting"
-        time.sleep(0.01)
 
 
 # -- error shapes and auth -----------------------------------------------------------------
@@ -150,7 +138,7 @@ def test_the_longest_owning_prefix_shapes_the_error():
         shapes.add("/v1/", "other", lambda e: {})
 
 
-def test_auth_accepts_bearer_or_x_api_key_and_exempts_health(server):
+def test_auth_accepts_bearer_or_x_api_key_and_exemptshealth_status(server):
     url = server.url
     assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
@@ -179,7 +167,7 @@ def test_each_protocol_answers_in_its_own_shape(server):
 
 
 def test_cors_preflight_needs_no_key(model_dir):
-    app = create_app(None, frontends_host(), api_key=KEY, cors=["http://app.example"])
+    app = create_app(None, openai_host(), api_key=KEY, cors=["http://app.example"])
     with ServerThread(app) as srv:
         r = httpx.options(srv.url + "/v1/models", headers={
             "Origin": "http://app.example", "Access-Control-Request-Method": "GET",
@@ -192,7 +180,7 @@ def test_cors_preflight_needs_no_key(model_dir):
 
 
 def test_health_is_503_while_loading_then_200(model_dir):
-    app = create_app(None, frontends_host())
+    app = create_app(None, openai_host())
     loops: list[asyncio.AbstractEventLoop] = []
     app.on_startup.append(lambda: loops.append(asyncio.get_running_loop()))
     state = make_state(model_dir)
@@ -424,10 +412,8 @@ def test_a_client_leaving_before_the_answer_cancels_it(server):
 def tight_server(model_dir):
     """One running, one queued for at most 0.5 s: the overload cases."""
     state = make_state(model_dir, max_concurrency=1, max_pending_requests=1, pending_timeout_ms=500)
-    with ServerThread(create_app(state, frontends_host())) as srv:
-        srv.state = state
+    with serving(state, openai_host()) as srv:
         yield srv
-    state.engine.close()
 
 
 def test_overload_is_429_at_once_and_a_queue_timeout_503(tight_server):
@@ -495,22 +481,6 @@ def test_speculative_options_are_refused_with_a_reason(option, capsys):
     assert option[0] in err and "speculative decoding" in err and "not part of this build" in err
 
 
-# The command as users run it, in a process of its own. Until `frontend-openai` is an entry
-# point of the installed package, the shim registers it the way the entry point will.
-SHIM = """
-import sys
-import ninfer_core.plugin_host as ph
-import plugins.frontend_openai as fo
-real = ph.create_host
-def create_host(**kw):
-    host = real(**kw)
-    return host if "openai" in host.frontends else real(extra_plugins=[("frontend-openai", fo)])
-ph.create_host = create_host
-from ninfer_core.cli.serve import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -520,15 +490,11 @@ def free_port() -> int:
 def test_serve_starts_reports_and_shuts_down_cleanly_on_sigterm(model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-c", SHIM, str(model_dir), "--port", str(port), "--dtype", "fp32",
-            "--max-context", "1024", "--model-id", "tiny", "--graceful-shutdown-s", "0.5",
-            "--threads", "1"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "NINFER_API_KEY"}  # no key
     stack = contextlib.ExitStack()
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
+    proc = serve_process(model_dir, "--port", str(port), "--model-id", "tiny",
+                         "--graceful-shutdown-s", "0.5")  # fmt: skip
     try:
-        wait_for(lambda: proc.poll() is None and _health(url) == 200, timeout=60)
+        wait_for(lambda: proc.poll() is None and health_status(url) == 200, timeout=60)
         client = stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="-"))
         stream = client.chat.completions.create(
             model="tiny", messages=CHAT["messages"], max_tokens=900, stream=True,
@@ -554,10 +520,3 @@ def test_serve_starts_reports_and_shuts_down_cleanly_on_sigterm(model_dir):
     for line in ("listening on " + url, "KV pool: 64 pages x 16 tokens", "ready: " + url):
         assert line in out, out
     assert "kv codecs: fp32" in out
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code
-    except httpx.TransportError:
-        return 0

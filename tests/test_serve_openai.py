@@ -14,14 +14,12 @@ import json
 import httpx
 import openai
 import pytest
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
 from text_fixtures import WEATHER_TOOL
 
 import plugins.frontend_openai as frontend_openai
 from ninfer_core.cli.main import main as ninfer_main
-from ninfer_core.cli.serve import ServerThread
 from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 
 KEY = "test-key"
 #: Room for a scripted reply (the fixture's default budget is 32 tokens).
@@ -88,10 +86,8 @@ def model_dir(tmp_path_factory):
 def server(model_dir):
     state = make_state(model_dir)
     state.engine.sampler = ScriptedSampler(state.engine.sampler, state.tokenizer, SCRIPTS)
-    with ServerThread(create_app(state, openai_host(), api_key=KEY)) as srv:
-        srv.state = state
+    with serving(state, openai_host(), api_key=KEY) as srv:
         yield srv
-    state.engine.close()
 
 
 @pytest.fixture

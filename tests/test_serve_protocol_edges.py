@@ -16,13 +16,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
 
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
-from ninfer_core.cli.serve import ServerThread
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 from ninfer_core.serve.cache_salt import AUTHENTICATED_KEY, cache_salt
 from ninfer_core.serve.errors import ApiError
 
@@ -35,17 +30,8 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("edges-model")))
-    host = create_host(
-        load_entry_points=False,
-        extra_plugins=[
-            ("frontend-openai", frontend_openai),
-            ("frontend-anthropic", frontend_anthropic),
-        ],
-    )
-    with ServerThread(create_app(state, host, api_key=KEY)) as srv:
-        srv.state = state
+    with serving(state, api_key=KEY) as srv:
         yield srv
-    state.engine.close()
 
 
 @pytest.fixture

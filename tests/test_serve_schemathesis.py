@@ -15,13 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
-
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
-from ninfer_core.cli.serve import ServerThread
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
+from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
 
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
@@ -43,16 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("schemathesis-model")),
                        max_context=256, kv_capacity=1024)  # fmt: skip
-    host = create_host(
-        load_entry_points=False,
-        extra_plugins=[
-            ("frontend-openai", frontend_openai),
-            ("frontend-anthropic", frontend_anthropic),
-        ],
-    )
-    with ServerThread(create_app(state, host)) as srv:
+    with serving(state) as srv:
         yield srv
-    state.engine.close()
 
 
 @pytest.fixture(scope="module")

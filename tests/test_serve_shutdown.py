@@ -15,17 +15,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 from litestar import get
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import (
+    MODEL_ID,
+    frontends_host,
+    make_state,
+    serving,
+    wait_for,
+    write_serve_model,
+)
 
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
 from ninfer_core import hookimpl
-from ninfer_core.cli.serve import ServerThread
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 from ninfer_core.serve.config import ConnectionLimits
 from ninfer_core.serve.limits import until_disconnect
-from ninfer_core.serve.shutdown import SHUTTING_DOWN, end_requests
+from ninfer_core.serve.shutdown import SHUTTING_DOWN
 from ninfer_core.support import Support
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -76,14 +78,6 @@ def slowed(engine, seconds: float) -> None:
     engine.step = slow_step
 
 
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        time.sleep(0.02)
-
-
 def stream_lines(url: str, path: str, body: dict, started: Future) -> tuple[int, list[str]]:
     """A streamed request's status and every line it got, read to the end of the body."""
     with httpx.stream("POST", url + path, json=body, timeout=30) as r:
@@ -94,14 +88,9 @@ def stream_lines(url: str, path: str, body: dict, started: Future) -> tuple[int,
 def test_every_client_gets_a_protocol_shaped_ending_when_the_grace_period_ends(model_dir):
     state = make_state(model_dir, max_concurrency=2, max_pending_requests=8, kv_capacity=8192)
     slowed(state.engine, 0.02)
-    host = create_host(
-        load_entry_points=False,
-        extra_plugins=[("frontend-openai", frontend_openai),
-                       ("frontend-anthropic", frontend_anthropic), ("stuck", StuckPlugin)],
-    )  # fmt: skip
-    app = create_app(state, host)
     limits = ConnectionLimits(graceful_shutdown_s=0.5)
-    server = ServerThread(app, limits=limits, end_requests=lambda: end_requests(app))
+    server = serving(state, frontends_host(("stuck", StuckPlugin)), limits=limits,
+                     end_requests=True)  # fmt: skip
     # the pool outside: on a failure the server stops first, and its streams with it
     with ThreadPoolExecutor(8) as pool, server as srv:
         engine, url = state.engine, srv.url
@@ -158,7 +147,7 @@ def test_every_client_gets_a_protocol_shaped_ending_when_the_grace_period_ends(m
         # uvicorn's cancellation, the last resort, answers in the shape too (not a text 500)
         r = stuck.result(timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
-    engine.close()
+    # `serving` closed the engine after the server
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 

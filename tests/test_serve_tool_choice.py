@@ -15,14 +15,9 @@ import anthropic
 import openai
 import pytest
 import torch
-from serve_fixtures import MODEL_ID, make_state, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
 from text_fixtures import QWEN3_STYLE_TEMPLATE, WEATHER_TOOL
 
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
-from ninfer_core.cli.serve import ServerThread
-from ninfer_core.plugin_host import create_host
-from ninfer_core.serve.app import create_app
 from ninfer_core.text import ChatTemplate
 from ninfer_core.text.tool_choice import ForcedCall, call_format, call_opening, with_opening
 
@@ -58,17 +53,8 @@ class ScriptedSampler:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("tool-choice-model")))
-    host = create_host(
-        load_entry_points=False,
-        extra_plugins=[
-            ("frontend-openai", frontend_openai),
-            ("frontend-anthropic", frontend_anthropic),
-        ],
-    )
-    with ServerThread(create_app(state, host)) as srv:
-        srv.state = state
+    with serving(state) as srv:
         yield srv
-    state.engine.close()
 
 
 @pytest.fixture
