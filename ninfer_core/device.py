@@ -137,3 +137,54 @@ def simulated_device(name: str) -> DeviceInfo:
     if key not in DEVICE_SPECS:
         raise UnknownNameError("device spec", name, DEVICE_SPECS)
     return replace(probe_device(use_cuda=False), cuda=DEVICE_SPECS[key], simulated=key)
+
+
+# -- the CPU runtime's settings ------------------------------------------------------------
+
+#: What the entry points set before torch loads, unless the user already has (docs/memory.md,
+#: docs/performance.md). Read once, when the OpenMP runtime and oneDNN start, so setting them
+#: after `import torch` does nothing.
+CPU_RUNTIME_ENV = {
+    # OpenMP threads sleep at a barrier instead of spinning: spinning threads steal the time
+    # slice a descheduled sibling needs, which made decode 10-50x slower on a busy box.
+    "OMP_WAIT_POLICY": "PASSIVE",
+    # oneDNN (and ideep, torch's wrapper) keep one compiled kernel per matmul shape, about
+    # 1 MiB each, 1024 of each by default: prompts of many lengths grew RSS by GBs.
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128",
+    "LRU_CACHE_CAPACITY": "128",
+}
+#: oneDNN's and ideep's own default cache capacity, where nothing sets one.
+DEFAULT_KERNEL_CACHE_CAPACITY = 1024
+
+
+def configure_cpu_runtime(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set `CPU_RUNTIME_ENV`'s defaults in `environ` (default `os.environ`) where unset (the
+    wait policy also where `GOMP_SPINCOUNT` is set); return what was set. Call before torch
+    is imported: the entry points do."""
+    env = os.environ if environ is None else environ
+    chosen = {k: v for k, v in CPU_RUNTIME_ENV.items() if k not in env}
+    if "GOMP_SPINCOUNT" in env:  # the user chose how long GNU OpenMP spins: keep it
+        chosen.pop("OMP_WAIT_POLICY", None)
+    env.update(chosen)
+    return chosen
+
+
+def kernel_cache_capacity(environ: dict[str, str] | None = None) -> int:
+    """Compiled CPU kernels the process keeps at most per cache (the larger of the two)."""
+    env = os.environ if environ is None else environ
+    sizes = []
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        try:
+            sizes.append(max(int(env.get(name, DEFAULT_KERNEL_CACHE_CAPACITY)), 0))
+        except ValueError:
+            sizes.append(DEFAULT_KERNEL_CACHE_CAPACITY)
+    return max(sizes)
+
+
+def thread_summary() -> str:
+    """The CPU threads the runtime uses and how they wait, for startup output:
+    `torch threads: 2 (OMP_WAIT_POLICY=PASSIVE; --threads N to change)`."""
+    import torch
+
+    policy = os.environ.get("OMP_WAIT_POLICY") or "unset (spin, then sleep)"
+    return f"torch threads: {torch.get_num_threads()} (OMP_WAIT_POLICY={policy})"

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from ninfer_core import hookimpl
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.attention_meta import AttentionMetadata
-from ninfer_core.model.ops import KernelOps
+from ninfer_core.memory.heap import HeapTrimmer
+from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
 from ninfer_core.quant.tensor import QuantizedTensor
 from ninfer_core.support import Support
@@ -43,6 +44,11 @@ _INT4_GROUPS = (32, 64, 128, 256)
 
 class TorchOps(KernelOps):
     name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        #: On the CPU, what evicted oneDNN kernels free goes back to the kernel (heap.py).
+        self._heap = HeapTrimmer() if self.device.type == "cpu" else None
 
     def linear(self, x, w, b=None):
         if isinstance(w, Int4Linear):
@@ -105,37 +111,47 @@ class TorchOps(KernelOps):
         return rotate(q), rotate(k)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Per-sequence query offsets and, for prefill chunks after a cached prefix, the
-        causal mask offset by that prefix; built once per step, not per layer."""
-        starts, masks, offset = [], [], 0
-        dev = meta.slot_mapping.device
-        for qlen, ctx in zip(meta.query_lens, meta.context_lens, strict=True):
+        """Per-sequence query offsets, the keys each sequence reads (a decode row's
+        context padded to `decode_length`) with their page table, and, for prefill chunks
+        after a cached prefix, the causal mask offset by that prefix; built once per
+        step, not per layer."""
+        if self._heap is not None and meta.max_query_len > 1:
+            self._heap.maybe_trim()  # a prefill step: new shapes, large temporaries
+        starts, masks, lengths, tables, offset = [], [], [], [], 0
+        dev, bs = meta.slot_mapping.device, meta.block_size
+        rows = meta.block_tables
+        for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
             starts.append(offset)
             offset += qlen
+            # oneDNN compiles and keeps a kernel per shape on the CPU (docs/memory.md); the
+            # reference pads on every device, so the workspace estimate fits all of them
+            length = decode_length(ctx, bs) if qlen == 1 else ctx
+            lengths.append(length)
+            tables.append(_page_table(rows[i], -(-length // bs)))
             if qlen == 1 or qlen == ctx:
                 masks.append(None)  # decode, or a whole prompt (plain causal)
             else:
                 # Query i sits at position ctx - qlen + i and sees keys up to it.
                 q_pos = torch.arange(ctx - qlen, ctx, device=dev)
                 masks.append(torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])
-        meta.plan["starts"], meta.plan["masks"] = starts, masks
+        meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables)
 
     def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
         """Each sequence attends over its own pages only: a ragged batch is never padded
         to its longest member (a decode row reads its L keys, not the batch maximum)."""
         # q: [T, H, D], k_new/v_new: [T, Hkv, D]
         kv_store.write(layer, meta.slot_mapping, k_new, v_new)
-        plan, bs = meta.plan, meta.block_size
+        plan = meta.plan
         outs = []
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-            start = plan["starts"][i]
+            start, length = plan["starts"][i], plan["lengths"][i]
             qi = q[start : start + qlen]  # [Q, H, D]
-            table = meta.block_tables[i, : -(-ctx // bs)]
-            k, v, rotation = gather_heads(kv_store, layer, table, ctx, q.dtype)  # [Hkv, L, D]
+            # k, v: [Hkv, length, D]; a decode row's keys past ctx are padding (finite)
+            k, v, rotation = gather_heads(kv_store, layer, plan["tables"][i], length, q.dtype)
             if rotation is not None:  # (qH)·(kH) = q·k; the output comes back by Hᵀ
                 qi = rotation.forward(qi).to(q.dtype)
             if qlen == 1:
-                out = _decode_one(qi, k, v, scale)
+                out = _decode_one(qi, k, v, scale, valid=ctx)
             else:
                 mask = plan["masks"][i]
                 out = F.scaled_dot_product_attention(
@@ -149,6 +165,14 @@ class TorchOps(KernelOps):
                 )[0].transpose(0, 1)  # [Q, H, D]
             outs.append(out if rotation is None else rotation.inverse(out).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _page_table(row: torch.Tensor, pages: int) -> torch.Tensor:
+    """`pages` entries of a block-table row, padded with page 0 past its end (a real,
+    zero-initialised page, so padded keys stay finite)."""
+    if pages <= row.numel():
+        return row[:pages]
+    return torch.cat([row, row.new_zeros(pages - row.numel())])
 
 
 def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: torch.dtype):
@@ -172,17 +196,23 @@ def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: 
     return k.to(dtype), v.to(dtype), rotation
 
 
-def _decode_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token over its whole context, grouped heads as a batched matmul.
+def _decode_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, valid: int
+) -> torch.Tensor:
+    """One query token over the first `valid` keys, grouped heads as a batched matmul.
 
     CPU SDPA spends most of its time on setup for a single query row; two small
-    matmuls with the softmax in fp32 are several times faster and as exact.
+    matmuls with the softmax in fp32 are several times faster and as exact. Keys past
+    `valid` (the padding `decode_length` adds) get probability exactly 0; they must be
+    finite, which the zeroed pools guarantee.
     """
-    # q: [1, H, D], k/v: [Hkv, L, D] -> [1, H, D]
+    # q: [1, H, D], k/v: [Hkv, L, D] with L >= valid -> [1, H, D]
     h, d = q.shape[1], q.shape[2]
     hkv = k.shape[0]
     qg = q[0].view(hkv, h // hkv, d)  # [Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, G, L]
+    if valid < scores.shape[-1]:
+        scores[..., valid:] = float("-inf")
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(1, h, d)  # [Hkv, G, D] -> [1, H, D]
 

@@ -104,10 +104,11 @@ def tiny_folder(tmp_path_factory) -> Path:
     )
 
 
-def workspace_by_hand(s: int) -> int:
-    """The estimate for Qwen3-8B, fp16, rk8v4, a 1024-token step of 2 sequences at `s`."""
+def workspace_by_hand(s: int, keys: int | None = None) -> int:
+    """The estimate for Qwen3-8B, fp16, rk8v4, a 1024-token step of 2 sequences at `s`;
+    `keys`: what the decode row gathers, its context padded to `decode_length`."""
     t, q, c = 1024, 1023, 2  # tokens, the prefill chunk's queries, bytes per fp16
-    gathered = s * 8 * 128  # one sequence's K (or V): [Hkv, S, D]
+    gathered = (keys or s) * 8 * 128  # one sequence's K (or V): [Hkv, S, D]
     step = 2 * t * 4096 * c + q * s + t * 128 * c  # residual stream, bool mask, RoPE
     attention = (
         t * 4096 * c  # normed input
@@ -400,3 +401,14 @@ def test_plan_cli_on_the_cpu_counts_a_packed_tied_head(tiny_folder, capsys, host
     head = cfg.vocab_size * cfg.hidden_size * 2
     assert data["weights_bytes"] == weights_bytes(cfg, torch.bfloat16) + (head if packs else 0)
     assert data["memory"]["free"] <= GIB and data["kv_codec"] == "bf16"
+
+
+def test_workspace_counts_the_decode_rows_padded_context(host):
+    """A decode row at 184320 tokens gathers 196608 keys (`decode_length`, issue 13 item 5),
+    so the estimate counts those, not the context."""
+    codec = host.kv_codecs.get("rk8v4")
+    ws = estimate_workspace(
+        CFG, dtype=torch.float16, kv_codec=codec, prefill_chunk=1024, context=184320,
+        concurrency=2,
+    )  # fmt: skip
+    assert ws.nbytes == workspace_by_hand(184320, keys=196608) > workspace_by_hand(184320)

@@ -15,8 +15,10 @@ from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
 from ninfer_core.bench.engine import EngineBenchConfig
 from ninfer_core.bench.isolation import IsolationBenchConfig
 from ninfer_core.bench.kv import KVBenchConfig
+from ninfer_core.bench.memory_growth import MemoryBenchConfig
 from ninfer_core.bench.serve import ServeBenchConfig
 from ninfer_core.bench.soak import SoakBenchConfig
+from ninfer_core.bench.threads import ThreadsBenchConfig
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.errors import NInferError
 
@@ -84,6 +86,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with random keys and values, against fp16 in the same run.",
     )  # fmt: skip
     k.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
+    _bench(
+        benches, "memory", MemoryBenchConfig, run_memory,
+        help="RSS after each phase: a long generation, unseen lengths, distinct prompts",
+        description="Resident memory of this process phase by phase (docs/memory.md, "
+        "'Memory that stays bounded'), against the plan's CPU runtime term.",
+        default="the small built-in model",
+    )  # fmt: skip
+    _bench(
+        benches, "threads", ThreadsBenchConfig, run_threads,
+        help="decode ms/token by thread count and OpenMP wait policy, with busy-loop hogs",
+        description="Each configuration in a child process (the wait policy is read when "
+        "OpenMP loads), quiet and beside one busy-looping process per core.",
+        default="the small built-in model",
+    )  # fmt: skip
     s = benches.add_parser(
         "serve",
         help="TTFT and tok/s of an OpenAI-compatible server (NInfer, vLLM, llama.cpp) at C1, C2",
@@ -286,4 +302,37 @@ def run_server_bench(ns: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     print(module.render(result))
+    return 0
+
+
+def run_memory(ns: argparse.Namespace) -> int:
+    import torch
+
+    from ninfer_core.bench.memory_growth import render, run_phases
+    from ninfer_core.builtin_model import default_model
+
+    cfg = config_from_args(MemoryBenchConfig, ns)
+    if cfg.dtype not in ("bf16", "fp32"):
+        raise NInferError(f"--dtype {cfg.dtype}: expected bf16 or fp32")
+    torch.set_num_threads(max(cfg.threads, 1))
+    loaded, host, device = _load(ns.model, default_model, cfg.dtype)
+    result = run_phases(loaded, host, device, cfg)
+    if cfg.as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(render(result))
+    return 0
+
+
+def run_threads(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.threads import render, run_bench
+
+    cfg = config_from_args(ThreadsBenchConfig, ns)
+    result = run_bench(cfg, ns.model)
+    if cfg.as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(render(result))
     return 0

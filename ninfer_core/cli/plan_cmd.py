@@ -113,6 +113,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
         prefill_chunk=engine.prefill_chunk,
         context=engine.max_context,
         concurrency=engine.max_concurrency,
+        block_size=engine.block_size,
     )
     plan = plan_memory(
         config,

@@ -9,7 +9,11 @@ not fit before it loads a single weight.
 
 `--kv-capacity auto` gives the pool whatever is left after weights, workspace and a
 headroom that is a fraction of the memory being divided, not a fixed amount: a fixed GiB
-is too much for a small budget and too little for an 80 GiB card.
+is too much for a small budget and too little for an 80 GiB card. On the CPU the memory
+is the machine's, shared with everything else on it, so there `auto` takes at most
+`--max-context x --max-concurrency` tokens and `CPU_AUTO_POOL_FRACTION` of the available
+memory (issue 13: it took 21 GiB of a 24 GiB box for a 4 MiB model), and the plan
+counts the CPU runtime's kernel caches (`cpu_runtime_bytes`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ DEFAULT_HEADROOM = 0.03
 HEADROOM_FLOOR = 256 * MIB
 #: Layer kinds (`config.json` `layer_types`) that keep a fixed-size state, not per-token KV.
 NO_PER_TOKEN_KV = frozenset({"linear_attention"})
+#: On the CPU, the most of the available memory `--kv-capacity auto` gives the KV pool:
+#: host RAM is shared with the rest of the machine, which must stay usable.
+CPU_AUTO_POOL_FRACTION = 0.25
+#: What oneDNN keeps per compiled CPU matmul shape: 0.6-1.4 MiB measured (torch 2.13, bf16
+#: decode attention and projections of the built-in and Qwen3-0.6B shapes), rounded up.
+KERNEL_CACHE_BYTES_PER_SHAPE = int(1.5 * MIB)
 
 Capacity = int | Literal["auto"]
 
@@ -205,12 +215,16 @@ def weights_bytes(
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """The memory a plan divides: free before the weights are placed, and where that came from."""
+    """The memory a plan divides: free before the weights are placed, and where that came from.
+
+    `host_ram`: the machine's RAM (the CPU device), shared with every other process, rather
+    than a card this process has to itself."""
 
     device: str
     total: int
     free: int
     source: str
+    host_ram: bool = False
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
@@ -252,7 +266,19 @@ def device_memory(
         if cap < free:
             free, source = cap, f"--memory-budget {memory_budget:g} GiB"
         total = min(total, cap)
-    return DeviceMemory(name, total, free, source)
+    return DeviceMemory(name, total, free, source, host_ram=device.cuda is None)
+
+
+def cpu_runtime_bytes(capacity: int | None = None) -> int:
+    """Bytes the CPU runtime's kernel caches can reach: oneDNN compiles and keeps one kernel
+    per matmul shape, up to `capacity` (default: the process's, `kernel_cache_capacity`;
+    the entry points set 128). Every prompt length is a new projection shape, so the
+    capacity, not the model, is the bound; decode attention's shapes are few
+    (`decode_length`), so steady decoding never evicts them."""
+    from ninfer_core.device import kernel_cache_capacity
+
+    cap = kernel_cache_capacity() if capacity is None else capacity
+    return cap * KERNEL_CACHE_BYTES_PER_SHAPE
 
 
 @dataclass(frozen=True)
@@ -275,6 +301,10 @@ class MemoryPlan:
     headroom_bytes: int
     #: The largest pool (in tokens, whole pages) that would fit beside the rest.
     largest_fit_tokens: int
+    #: CPU runtime caches that grow to a bound as shapes are first seen (`cpu_runtime_bytes`).
+    runtime_bytes: int = 0
+    #: Why `--kv-capacity auto` chose its size ("" otherwise).
+    auto_reason: str = ""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -290,7 +320,7 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        return self.weights_bytes + self.pool_bytes + self.workspace.nbytes
+        return self.weights_bytes + self.pool_bytes + self.workspace.nbytes + self.runtime_bytes
 
     @property
     def free_after_bytes(self) -> int:
@@ -340,7 +370,8 @@ def plan_memory(
     layers = tuple(kv_layers(model, codec))
     page_bytes = block_size * sum(layer.bytes_per_token for layer in layers)
     headroom = max(int(memory.free * headroom_fraction), headroom_floor)
-    left = memory.free - weights_bytes - workspace.nbytes - headroom
+    runtime = cpu_runtime_bytes() if memory.host_ram else 0
+    left = memory.free - weights_bytes - workspace.nbytes - runtime - headroom
     context_pages = -(-max_context // block_size)
     if left < 0:
         largest = 0
@@ -349,9 +380,15 @@ def plan_memory(
     else:
         largest = left // page_bytes
     spent = f"weights {_gib(weights_bytes)}, workspace {_gib(workspace.nbytes)}"
+    spent += f", CPU runtime {_gib(runtime)}" if runtime else ""
     spent += f" and headroom {_gib(headroom)} GiB"
+    reason = ""
     if capacity == "auto":
         pages = largest
+        if memory.host_ram and page_bytes:
+            pages, reason = _host_auto_pages(
+                largest, page_bytes, memory, max_context, max_concurrency, block_size
+            )
         if pages < context_pages:
             raise AutoCapacityTooSmallError(
                 f"--kv-capacity auto: the {_gib(max(left, 0))} GiB left for the KV pool (of "
@@ -386,4 +423,33 @@ def plan_memory(
         headroom_fraction=headroom_fraction,
         headroom_bytes=headroom,
         largest_fit_tokens=largest * block_size,
+        runtime_bytes=runtime,
+        auto_reason=reason,
     )
+
+
+def _host_auto_pages(
+    largest: int,
+    page_bytes: int,
+    memory: DeviceMemory,
+    max_context: int,
+    max_concurrency: int,
+    block_size: int,
+) -> tuple[int, str]:
+    """`--kv-capacity auto` on host RAM: pages for `max_context x max_concurrency` tokens
+    (more can never be in use at once), capped at `CPU_AUTO_POOL_FRACTION` of the available
+    memory but never below one `--max-context`; and the reason, for the plan to print."""
+    demand = -(-max_context * max_concurrency // block_size)
+    share = int(memory.free * CPU_AUTO_POOL_FRACTION) // page_bytes
+    context_pages = -(-max_context // block_size)
+    pages = max(min(largest, demand, share), min(largest, context_pages))
+    fraction = f"{CPU_AUTO_POOL_FRACTION:.0%} of the {_gib(memory.free)} GiB available"
+    if pages == demand:
+        why = f"--max-context {max_context} x --max-concurrency {max_concurrency}"
+    elif pages == share:
+        why = f"{fraction}, fewer than --max-context x --max-concurrency"
+    elif pages == context_pages:
+        why = f"one --max-context, though more than {fraction}"
+    else:
+        why = "all that fits"
+    return pages, f"auto on the CPU: {why}"

@@ -28,23 +28,28 @@ def rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
     floor = f"{plan.headroom_fraction:.0%} of the free memory"
     if plan.headroom_bytes > int(plan.memory.free * plan.headroom_fraction):
         floor = f"the {plan.headroom_bytes / GIB:.2f} GiB floor (more than {floor})"
-    return [
+    chosen = f"--kv-capacity {capacity}"
+    if plan.auto_reason:
+        chosen += f"; {plan.auto_reason}"
+    out = [
         ("weights", plan.weights_bytes, f"held as {plan.weights_dtype}"),
         (
             "KV pool",
             plan.pool_bytes,
-            f"{plan.pool_tokens} tokens = {plan.pool_pages} pages x {plan.block_size} "
-            f"(--kv-capacity {capacity})",
+            f"{plan.pool_tokens} tokens = {plan.pool_pages} pages x {plan.block_size} ({chosen})",
         ),
         (
             "activation workspace",
             ws.nbytes,
             f"{how}: {ws.prefill_chunk}-token step, {ws.concurrency} x {ws.context} context",
         ),
-        ("reserved headroom", plan.headroom_bytes, floor),
-        ("free after startup", plan.free_after_bytes, "including the headroom"),
-        ("total", plan.memory.free, f"free memory from {plan.memory.source}"),
     ]
+    if plan.runtime_bytes:
+        out.append(("CPU runtime caches", plan.runtime_bytes, "compiled kernels, at most"))
+    out.append(("reserved headroom", plan.headroom_bytes, floor))
+    out.append(("free after startup", plan.free_after_bytes, "including the headroom"))
+    out.append(("total", plan.memory.free, f"free memory from {plan.memory.source}"))
+    return out
 
 
 def render_table(plan: MemoryPlan) -> str:

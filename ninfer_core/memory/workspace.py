@@ -27,6 +27,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.ops import decode_length
 
 #: Bytes per cached value that gathering a quantized sequence needs beside the two
 #: compute-dtype outputs: V's codes and two fp32 decode temporaries (codes as floats, then
@@ -76,23 +77,27 @@ def estimate_workspace(
     context: int,
     concurrency: int = 1,
     logit_rows: int | None = None,
+    block_size: int = 16,
 ) -> Workspace:
     """Peak bytes of the worst step, stage by stage, from shapes (see the module doc).
 
     `logit_rows`: rows projected onto the vocabulary (default one per sequence; drafts
-    being verified need one per draft token).
+    being verified need one per draft token). `block_size`: the KV page, which a decode
+    row's padded context (`decode_length`) is a multiple of.
     """
     c = dtype.itemsize
     t, b, qmax = step_shape(prefill_chunk, context, concurrency)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     hq, hkv = config.num_heads, config.num_kv_heads
     s = context
+    # A decode row reads its context padded to `decode_length` (up to 1/8 more keys).
+    s_kv = decode_length(context, block_size) if b > 1 or qmax == 1 else context
     # One sequence's K (or V) at full context: [Hkv, S, D]. Sequences are gathered one at
     # a time, but the previous one's K and V stay bound while the next is gathered.
-    gathered = s * hkv * d
+    gathered = s_kv * hkv * d
     previous = 2 * gathered * c if b > 1 else 0
     mask = qmax * s if qmax not in (1, s) else 0  # bool [Q, S] of a later prefill chunk
-    scores = hq * s * (4 + c) if b > 1 or qmax == 1 else 0  # a decode row's fp32 scores
+    scores = hq * s_kv * (4 + c) if b > 1 or qmax == 1 else 0  # a decode row's fp32 scores
     parts = {
         # Live all step: the residual stream (a layer's input and its output), the mask, RoPE.
         "step": 2 * t * h * c + mask + t * d * c,
@@ -168,6 +173,7 @@ def measure_workspace(
             prefill_chunk=prefill_chunk,
             context=context,
             concurrency=concurrency,
+            block_size=runner.block_size,
         )
     dev = runner.device
     torch.cuda.synchronize(dev)

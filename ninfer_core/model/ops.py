@@ -16,6 +16,38 @@ if TYPE_CHECKING:
     from ninfer_core.engine.attention_meta import AttentionMetadata
 
 
+#: Decode lengths per doubling of the context (see `decode_length`).
+DECODE_LENGTHS_PER_OCTAVE = 8
+
+
+def decode_length(context: int, block_size: int) -> int:
+    """The key count a decode row of `context` tokens attends over: `context` rounded up
+    to a multiple of the page below 16 pages, then to one of 8 lengths per doubling.
+
+    Why: on the CPU, oneDNN compiles (about 2-20 ms) and caches (about 1.3 MiB) a bf16
+    matmul kernel per shape, so attention over a context that grows by one token a step
+    built a new kernel every step and grew the process by ~2.6 MiB a step
+    (docs/memory.md). Padded, contexts up to N tokens give `decode_length_count(N)`
+    shapes, and a row does at most 1/8 more attention work (under one page below 16
+    pages). A backend whose kernels take any length need not pad.
+    """
+    step = block_size
+    while step * 2 * DECODE_LENGTHS_PER_OCTAVE <= context:
+        step *= 2
+    return -(-context // step) * step
+
+
+def decode_length_count(max_context: int, block_size: int) -> int:
+    """How many distinct `decode_length`s contexts of 1..`max_context` tokens give: 16 up
+    to 16 pages, then 8 per doubling (48 for 4096 tokens of 16-token pages, 88 for 128k),
+    well inside the kernel caches' capacity (`ninfer_core.device.CPU_RUNTIME_ENV`)."""
+    count, context = 0, 1
+    while context <= max_context:  # one pass per distinct length: a few hundred at most
+        count += 1
+        context = decode_length(context, block_size) + 1
+    return count
+
+
 class KernelOps:
     """The op contract. Subclasses implement each method; the docstrings are the spec."""
 
