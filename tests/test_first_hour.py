@@ -102,3 +102,20 @@ def test_bench_kv_help_states_each_default_once():
     assert "(default: )" not in text
     assert not re.search(r"\(default[^)]*\) \(default", text), text
     assert "(default: every one this device supports)" in text
+
+
+def test_the_plan_sizes_the_context_the_engine_serves(capsys):
+    """The built-in model has 2048 positions; --max-context 4096 (the default) must not be
+    planned for while the engine serves 2048."""
+    from ninfer_core.builtin_model import default_model
+    from ninfer_core.engine.config import EngineConfig
+    from ninfer_core.loading import family_and_config, open_artifact
+    from ninfer_core.plugin_host import create_host
+
+    host = create_host()
+    _, config = family_and_config(host, open_artifact(host, str(default_model())))
+    served = EngineConfig().context_for(config.max_position_embeddings)
+    assert served == config.max_position_embeddings < EngineConfig().max_context
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert f"max context {served} tokens" in out

@@ -106,12 +106,13 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     _, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
     packed = _packed_bytes(host, device, runtime.gemm_backend, dtype)
+    context = engine.context_for(config.max_position_embeddings)
     workspace = estimate_workspace(
         config,
         dtype=dtype,
         kv_codec=codec,
         prefill_chunk=engine.prefill_chunk,
-        context=engine.max_context,
+        context=context,
         concurrency=engine.max_concurrency,
         block_size=engine.block_size,
     )
@@ -122,7 +123,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
         codec=codec,
         memory=device_memory(device, memory_budget=memory_cfg.memory_budget),
         workspace=workspace,
-        max_context=engine.max_context,
+        max_context=context,
         max_concurrency=engine.max_concurrency,
         kv_capacity=capacity,
         block_size=engine.block_size,

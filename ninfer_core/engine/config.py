@@ -35,6 +35,12 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
+    def context_for(self, model_max_positions: int) -> int:
+        """The context the engine really serves: `max_context`, but never past the positions
+        the model was trained for. The plan and the engine both read it here, so the plan
+        printed at startup sizes the same context the engine then enforces."""
+        return min(self.max_context, model_max_positions)
+
     @property
     def pool_tokens(self) -> int:
         """The KV pool's token capacity (`kv_capacity`, or one full context when 0)."""
