@@ -17,7 +17,8 @@ def test_isolation_hostile_clients_leave_the_victims_text_alone():
     result = run_isolation(cfg)
     rows = {r["class"]: r for r in result["rows"]}
     assert result["health_after"] == 200
-    assert len(rows) == 4 and rows["alone"]["tok_s"] > 0
+    assert len(rows) == 5 and rows["alone"]["tok_s"] > 0
+    assert set(rows["ordinary short requests"]["hostile_status"]) == {200}
     for row in rows.values():
         assert row["same_text"], row  # greedy: another client must not change the answer
     # a repetition_penalty that underflows to 0 is refused, never run

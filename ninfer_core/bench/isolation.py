@@ -1,14 +1,15 @@
 """`ninfer bench isolation`: one client's stream while another sends hostile requests.
 
 The victim streams a greedy answer of `--victim-tokens` tokens alone, then again while a
-second client sends one class of hostile request in a loop. Per class the table gives the
+second client sends one class of hostile request in a loop (`--interval-s` apart; a row of
+ordinary short requests is the reference for "any second client"). Per class the table gives the
 victim's decode tok/s against the alone run (the ratio the server is held to: ≥ 0.8), whether
 its text is unchanged (greedy, so it must be), and the status codes the hostile client got.
 """
 
 from __future__ import annotations
 
-import threading
+import multiprocessing
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +30,9 @@ class IsolationBenchConfig:
     prompt_mib: float = opt(15.0, "size of the huge prompt (MiB)")
     stop_count: int = opt(10_000, "stop sequences in the stop-sequence attack")
     threads: int = opt(1, "--threads for the server")
+    interval_s: float = opt(
+        0.1, "pause between the hostile client's requests; 0 floods (a rate limit's job)"
+    )
 
 
 def _chat(model_id: str, content: str, **extra: Any) -> dict:
@@ -42,6 +46,8 @@ def hostile_requests(
     huge = "word " * int(cfg.prompt_mib * 2**20 / 5)
     stops = [f"stop{i}" for i in range(cfg.stop_count)]
     return {
+        # not hostile: the cost of any second client, to read the hostile rows against
+        "ordinary short requests": lambda: (PATH, _chat(model_id, "hi", max_tokens=1)),
         "bad sampling values": lambda: (
             PATH, _chat(model_id, "hi", max_tokens=16, repetition_penalty=1e-45, temperature=1.0)
         ),
@@ -77,13 +83,19 @@ def victim(port: int, model_id: str, tokens: int) -> VictimRun:
     return VictimRun(tok_s, text)
 
 
-def _attack(port: int, make: Callable[[], tuple[str, dict]], stop: threading.Event, seen: Counter):
+def _attack(port: int, cfg: IsolationBenchConfig, model_id: str, name: str, stop, results) -> None:
+    """The hostile client, in a process of its own so that it never takes the victim
+    client's GIL: one request of class `name` after another until `stop` is set."""
+    make = hostile_requests(cfg, model_id)[name]
+    seen: Counter = Counter()
     while not stop.is_set():
         path, body = make()
         try:
             seen[request(port, "POST", path, body, timeout=120).status] += 1
         except OSError as exc:
             seen[type(exc).__name__] += 1
+        stop.wait(cfg.interval_s)
+    results.put(dict(seen))
 
 
 def run_bench(cfg: IsolationBenchConfig, model: str | None = None) -> dict:
@@ -94,17 +106,20 @@ def run_bench(cfg: IsolationBenchConfig, model: str | None = None) -> dict:
         alone = victim(server.port, model_id, cfg.victim_tokens)
         rows.append({"class": "alone", "tok_s": alone.tok_s, "ratio": 1.0, "same_text": True,
                      "hostile_status": {}})  # fmt: skip
-        for name, make in hostile_requests(cfg, model_id).items():
-            stop, seen = threading.Event(), Counter()
-            attacker = threading.Thread(target=_attack, args=(server.port, make, stop, seen))
+        spawn = multiprocessing.get_context("spawn")
+        for name in hostile_requests(cfg, model_id):
+            stop, results = spawn.Event(), spawn.Queue()
+            args = (server.port, cfg, model_id, name, stop, results)
+            attacker = spawn.Process(target=_attack, args=args)
             attacker.start()
-            time.sleep(0.5)  # the attack is under way before the victim starts
+            time.sleep(2.0)  # the attack is under way before the victim starts
             run = victim(server.port, model_id, cfg.victim_tokens)
             stop.set()
+            seen = results.get(timeout=300)
             attacker.join()
             rows.append({
                 "class": name, "tok_s": run.tok_s, "ratio": run.tok_s / alone.tok_s,
-                "same_text": run.text == alone.text, "hostile_status": dict(seen),
+                "same_text": run.text == alone.text, "hostile_status": seen,
             })  # fmt: skip
         health = request(server.port, "GET", "/health", None).status
     return {"config": cfg.__dict__, "rows": rows, "health_after": health}
