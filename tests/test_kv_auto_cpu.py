@@ -87,7 +87,8 @@ def test_cpu_plan_counts_the_kernel_caches(codec, monkeypatch):
 
 
 def test_plan_cli_says_what_auto_chose(capsys):
-    assert main(["plan", "--kv-capacity", "auto", "--max-concurrency", "3"]) == 0
+    args = ["plan", "--kv-capacity", "auto", "--max-context", "1024", "--max-concurrency", "3"]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "12288 tokens" in out
-    assert "auto on the CPU: --max-context 4096 x --max-concurrency 3" in out
+    assert "3072 tokens" in out
+    assert "auto on the CPU: --max-context 1024 x --max-concurrency 3" in out

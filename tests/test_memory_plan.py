@@ -17,8 +17,6 @@ from torch.utils._pytree import tree_flatten
 from ninfer_core.cli.main import main
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import GIB, probe_device, simulated_device
-from ninfer_core.engine.block_manager import BlockManager
-from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.loading import load_model, open_artifact
 from ninfer_core.memory import (
     AutoCapacityTooSmallError,
@@ -36,7 +34,7 @@ from ninfer_core.memory import (
 )
 from ninfer_core.memory.planner import mem_available
 from ninfer_core.memory.table import render_table
-from ninfer_core.memory.workspace import profiling_store, run_profiling_step
+from ninfer_core.memory.workspace import profiling_runtime, run_profiling_step
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.weights import weight_plan
 from ninfer_core.plugin_host import create_host
@@ -51,7 +49,9 @@ QWEN3_8B = {
     "num_attention_heads": 32,
     "num_key_value_heads": 8,
     "head_dim": 128,
-    "max_position_embeddings": 40960,
+    # the long-context configuration the deployment guide serves at --max-context 184320
+    # (the plan sizes min(--max-context, this), as the engine does)
+    "max_position_embeddings": 196608,
     "rope_theta": 1000000,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
@@ -309,9 +309,9 @@ def test_workspace_estimate_bounds_a_real_profiling_step(host, tiny_folder, code
         runtime=RuntimeConfig(dtype="bf16"),
     )  # fmt: skip
     kv = host.kv_codecs.get(codec)
-    store = profiling_store(kv, loaded.config, block_size=16, prefill_chunk=128, device="cpu",
-                            dtype=loaded.dtype)  # fmt: skip
-    runner = ModelRunner(loaded.model, store, BlockManager(store.layout.num_blocks, 16))
+    runtime = profiling_runtime(loaded, host, probe_device(use_cuda=False), kv_dtype=codec,
+                                block_size=16, prefill_chunk=128)  # fmt: skip
+    store, runner = runtime.kv_store, runtime.runner
     known = [*_tensors(store, *loaded.model.modules()), *loaded.model.parameters()]
     with LiveBytes(known) as mode:
         logits = run_profiling_step(runner, 128, 2048, 2)
