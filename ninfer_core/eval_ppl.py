@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
@@ -20,6 +21,11 @@ from torch.nn import functional as F
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.errors import NInferError
 from ninfer_core.loading import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from ninfer_core.device import DeviceInfo
+    from ninfer_core.engine.runtime import Runtime
+    from ninfer_core.plugin_host import PluginHost
 
 
 @dataclass(frozen=True)
@@ -40,31 +46,59 @@ class Perplexity:
         return self.nll / self.tokens / math.log(2)
 
 
-def sequence_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+def scoring_runtime(
+    loaded: LoadedModel,
+    tokens: int,
+    *,
+    host: PluginHost | None = None,
+    device: DeviceInfo | None = None,
+) -> Runtime:
+    """A throwaway runtime for `loaded` with fp32 KV (no codec error in the score) for
+    windows of up to `tokens` tokens; `host` and `device` default to fresh ones."""
+    from ninfer_core.device import probe_device
+    from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
+    from ninfer_core.plugin_host import create_host
+
+    host = host if host is not None else create_host()
+    if device is None:
+        device = probe_device(use_cuda=loaded.ops.device.type == "cuda")
+    spec = RuntimeSpec.for_tokens(tokens + 1, kv_dtype="fp32")
+    return build_runtime(loaded, host, device, spec)
+
+
+def sequence_logits(
+    loaded: LoadedModel, ids: list[int], runtime: Runtime | None = None
+) -> torch.Tensor:
     """fp32 logits [len(ids), vocab] at every position: one prefill through the runner,
-    into a throwaway fp32 KV cache just large enough for `ids`."""
-    from ninfer_core.engine import BlockManager, ModelRunner, Sequence
-    from ninfer_core.kv import KVLayout, PlainKVStore
+    into `runtime`'s KV (a `scoring_runtime` just large enough for `ids` when None)."""
+    from ninfer_core.engine.sequence import Sequence
 
-    cfg = loaded.config
-    block = 16
-    blocks = -(-len(ids) // block) + 1
-    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, blocks)
-    store = PlainKVStore(layout, torch.float32, loaded.ops.device)
-    runner = ModelRunner(loaded.model, store, BlockManager(blocks, block))
-    return runner.run([(Sequence(ids), len(ids))], all_tokens=True)
+    runtime = runtime if runtime is not None else scoring_runtime(loaded, len(ids))
+    seq = Sequence(ids)
+    try:
+        return runtime.runner.run([(seq, len(ids))], all_tokens=True)
+    finally:
+        runtime.block_manager.free(seq)
 
 
-def eval_ppl(loaded: LoadedModel, ids: list[int], *, context: int = 512) -> Perplexity:
-    """Perplexity of `ids` in windows of `context` tokens."""
+def eval_ppl(
+    loaded: LoadedModel,
+    ids: list[int],
+    *,
+    context: int = 512,
+    host: PluginHost | None = None,
+    device: DeviceInfo | None = None,
+) -> Perplexity:
+    """Perplexity of `ids` in windows of `context` tokens, all through one runtime."""
     if context < 2:
         raise NInferError(f"--context must be at least 2 tokens, got {context}")
+    runtime = scoring_runtime(loaded, min(context, len(ids)), host=host, device=device)
     nll, scored, windows = 0.0, 0, 0
     for start in range(0, len(ids), context):
         window = ids[start : start + context]
         if len(window) < 2:
             break
-        logits = sequence_logits(loaded, window)[:-1]
+        logits = sequence_logits(loaded, window, runtime)[:-1]
         target = torch.tensor(window[1:], device=logits.device)
         nll += float(F.cross_entropy(logits.double(), target, reduction="sum"))
         scored += len(window) - 1
@@ -92,8 +126,9 @@ def eval_ppl_file(
     except (OSError, UnicodeDecodeError) as exc:
         raise NInferError(f"{text_file}: cannot read text: {exc}") from None
     runtime = runtime or RuntimeConfig()
-    loaded = load_model(model, host=create_host(), device=probe_device(), runtime=runtime)
+    host, device = create_host(), probe_device()
+    loaded = load_model(model, host=host, device=device, runtime=runtime)
     ids = Tokenizer.from_artifact(loaded.artifact).encode(text, add_special_tokens=False)
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    return eval_ppl(loaded, ids, context=context)
+    return eval_ppl(loaded, ids, context=context, host=host, device=device)

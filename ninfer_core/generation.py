@@ -1,14 +1,17 @@
-"""One request from text to text on a loaded model: the path `ninfer generate` takes.
+"""One request through the engine, in this thread: what `ninfer generate` and the decode
+benches run.
 
-`Session` owns what one model needs to generate — tokenizer, chat template, KV store,
-block manager, model runner and sampler — and runs one request at a time:
-prefill the prompt, then decode token by token until a stop id, a stop string or
-the token limit. The engine (continuous batching) drives the same runner.
+There is one decode loop, `Engine.step`; the server drives it from its thread, this module
+from the caller's. `one_request_engine` sizes an engine for a single request, `PromptText`
+turns a prompt or a conversation into ids the way the server's frontends do (the chat
+template, then the tokenizer without special tokens; a raw prompt with them), and `stream`
+adds the request, steps the engine and yields each step's text as it comes, timing the first
+and the last token. So `ninfer generate`, `Engine.generate` and the server give the same
+greedy tokens for the same request, and the figures a bench prints are the engine's own.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,33 +19,34 @@ from typing import Any
 
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
-from ninfer_core.engine.block_manager import BlockManager
-from ninfer_core.engine.model_runner import ModelRunner
-from ninfer_core.engine.sequence import Sequence as Seq
+from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.request import (
+    FinishEvent,
+    GenerationEvent,
+    GenerationRequest,
+    RequestTooLargeError,
+    TokenEvent,
+)
 from ninfer_core.errors import NInferError
-from ninfer_core.kv import kv_codec_name
-from ninfer_core.kv.layout import KVLayout
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
-from ninfer_core.sampling import Sampler, SamplingParams, SequenceTokens
-from ninfer_core.selection import choose
-from ninfer_core.text import (
-    ChatTemplate,
-    GenerationDefaults,
-    IncrementalDetokenizer,
-    StopChecker,
-    Tokenizer,
-    stop_token_ids,
-)
+from ninfer_core.sampling import SamplingParams
+from ninfer_core.text import ChatTemplate, GenerationDefaults, Tokenizer
 
 
 @dataclass
 class GenerationStats:
+    """One request's figures, timed at its events: prefill is submission to the first
+    token, decode the first token to the last."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = ""
+    #: The sampled ids, in order (the benches compare them across engines).
+    token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -55,62 +59,106 @@ class GenerationStats:
         return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
 
 
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 128
-    stop: Sequence[str] = ()
-    #: Stop token ids on top of the model's own (generation_config / eos).
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
+def one_request_engine(
+    loaded: LoadedModel,
+    *,
+    host: PluginHost,
+    device: DeviceInfo,
+    runtime: RuntimeConfig,
+    seed: int | None = None,
+) -> Engine:
+    """An engine for one request at a time, its KV pool one context long (as the server's
+    default pool) and otherwise configured as the server's defaults, so the same request
+    takes the same steps. No prefix cache: nothing is shared within a single request."""
+    context = min(runtime.max_context, loaded.config.max_position_embeddings)
+    config = EngineConfig(max_concurrency=1, max_context=context,
+                          block_size=runtime.block_size, prefix_cache=False)  # fmt: skip
+    return Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype, seed=seed)
 
 
-class Session:
-    """A loaded model ready to generate, one request at a time."""
-
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        *,
-        host: PluginHost,
-        device: DeviceInfo,
-        runtime: RuntimeConfig,
-        seed: int | None = None,
-    ) -> None:
-        self.loaded = loaded
-        artifact = loaded.artifact
-        self.tokenizer = Tokenizer.from_artifact(artifact)
-        self.template = ChatTemplate.from_artifact(artifact, self.tokenizer.special_tokens)
-        self.defaults = GenerationDefaults.from_artifact(artifact)
-        self.model_stop_ids = stop_token_ids(
-            self.defaults, artifact.config, self.tokenizer.eos_token_id
+def room_for(engine: Engine, prompt_len: int, wanted: int) -> int:
+    """`wanted` new tokens, cut to what the context has left after the prompt."""
+    room = engine.max_context - prompt_len
+    if room <= 0:
+        raise RequestTooLargeError(
+            f"the prompt has {prompt_len} tokens; the context holds {engine.max_context}"
         )
-        cfg = loaded.config
-        kv_name = kv_codec_name(runtime.kv_dtype, loaded.dtype)
-        self.kv_codec = choose(host, "kv_codecs", device, kv_name).chosen
-        self.max_context = min(runtime.max_context, cfg.max_position_embeddings)
-        num_blocks = math.ceil(self.max_context / runtime.block_size)
-        layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runtime.block_size,
-                          num_blocks)  # fmt: skip
-        codec = host.kv_codecs.get(self.kv_codec)
-        store = codec.allocate(layout, device.torch_device, compute_dtype=loaded.dtype)
-        self.block_manager = BlockManager(num_blocks, runtime.block_size)
-        self.runner = ModelRunner(loaded.model, store, self.block_manager)
-        self.sampler = Sampler(seed)
-        self.prefill_chunk = 2048
+    return min(wanted, room)
 
-    # -- text in -------------------------------------------------------------------
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None, **kw: Any
+
+def stream(
+    engine: Engine, request: GenerationRequest, stats: GenerationStats | None = None
+) -> Iterator[str]:
+    """Yield `request`'s text step by step while stepping `engine` (whose thread must not
+    be running); `stats` (if given) fills in as it goes. A request that ends in an error
+    raises it; leaving early cancels the request, so its pages go back."""
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(request.prompt_ids)
+    texts: list[str] = []
+    finish: list[FinishEvent] = []
+    start = first = time.perf_counter()
+
+    def sink(event: GenerationEvent) -> None:
+        nonlocal first
+        if isinstance(event, TokenEvent):
+            now = time.perf_counter()
+            if not stats.token_ids:
+                first = now
+                stats.prefill_seconds = now - start
+            stats.token_ids.extend(event.token_ids)
+            stats.completion_tokens = len(stats.token_ids)
+            stats.decode_seconds = now - first
+            if event.text:
+                texts.append(event.text)
+        elif isinstance(event, FinishEvent):
+            finish.append(event)
+
+    engine.add(request, sink)
+    try:
+        while not finish and engine.has_work:
+            engine.step()
+            if texts:
+                yield "".join(texts)
+                texts.clear()
+    finally:
+        if not finish:  # closed early (or a step raised): end it, free its pages
+            engine.cancel(request.request_id)
+            while not finish and engine.has_work:
+                engine.step()
+    if finish and finish[0].error is not None:
+        raise finish[0].error
+    stats.finish_reason = finish[0].reason if finish else ""
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """A model's text side for one-shot prompts: tokenizer, chat template, sampling defaults."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    defaults: GenerationDefaults
+    path: str = ""
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, tokenizer: Tokenizer) -> PromptText:
+        artifact = loaded.artifact
+        template = ChatTemplate.from_artifact(artifact, tokenizer.special_tokens)
+        return cls(
+            tokenizer, template, GenerationDefaults.from_artifact(artifact), str(loaded.path)
+        )
+
+    def chat_ids(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
     ) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
+        """Token ids of a conversation through the model's chat template, as the server's
+        chat route renders it."""
         if self.template is None:
-            raise NInferError(f"{self.loaded.path}: the model has no chat template; use --raw")
-        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **kw)
+            raise NInferError(f"{self.path}: the model has no chat template; use --raw")
+        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode(self, text: str) -> list[int]:
+    def raw_ids(self, text: str) -> list[int]:
+        """A prompt sent as is, with the tokenizer's special tokens (the completions route)."""
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -118,53 +166,3 @@ class Session:
         values = self.defaults.sampling_values()
         values.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**values)
-
-    # -- generation ----------------------------------------------------------------
-    def generate(self, request: Request, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Yield text deltas; `stats` (if given) is filled in as generation goes."""
-        stats = stats if stats is not None else GenerationStats()
-        prompt = list(request.prompt_ids)
-        if not prompt:
-            raise NInferError("the prompt is empty")
-        budget = self.max_context - len(prompt)
-        if budget <= 0:
-            raise NInferError(
-                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}"
-            )
-        max_new = min(request.max_new_tokens, budget)
-        stop_ids = set(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids |= set(self.model_stop_ids)
-        stops = StopChecker(stop_token_ids=stop_ids, stop_strings=list(request.stop))
-        detok = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-8:])
-        history = SequenceTokens(prompt)
-        seq = Seq(prompt)
-        stats.prompt_tokens = len(prompt)
-        try:
-            start = time.perf_counter()
-            while seq.num_pending_tokens > 1:  # prefill all but the last prompt token in chunks
-                self.runner.run([(seq, min(self.prefill_chunk, seq.num_pending_tokens - 1))])
-            logits = self.runner.run([(seq, 1)])
-            stats.prefill_seconds = time.perf_counter() - start
-            decode_start = time.perf_counter()
-            for step in range(max_new):
-                if step:
-                    logits = self.runner.run([(seq, 1)])
-                token = int(self.sampler.sample(logits, [request.params], [history])[0])
-                history.append(token)
-                seq.append_token(token)
-                stats.completion_tokens += 1
-                update = stops.feed(detok.feed(token), token)
-                if update.text:
-                    yield update.text
-                if update.finished:
-                    stats.finish_reason = "stop"
-                    break
-            else:
-                stats.finish_reason = "length"
-                tail = stops.feed(detok.finish()).text + stops.flush()
-                if tail:
-                    yield tail
-            stats.decode_seconds = time.perf_counter() - decode_start
-        finally:
-            self.block_manager.free(seq)

@@ -21,7 +21,7 @@ from checkpoints import (
 )
 
 from ninfer_core.device import CudaInfo, probe_device
-from ninfer_core.engine import BlockManager, ModelRunner, Sequence
+from ninfer_core.engine import BlockManager, RuntimeSpec, Sequence, assemble_runtime
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.kv import KVLayout
 from plugins.backend_torch import register_kernel_backends
@@ -43,9 +43,8 @@ def build(path, dtype=torch.float32, kv="fp32", num_blocks=48):
     ops = register_kernel_backends()[0].create_ops(probe_device(use_cuda=False))
     model = family.build(config, ops, dtype)
     family.load_weights(model, artifact)
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK, num_blocks)
-    store = CODECS[kv].allocate(layout, ops.device, compute_dtype=dtype)
-    return ModelRunner(model, store, BlockManager(num_blocks, BLOCK)), model
+    runtime = assemble_runtime(model, config, dtype, CODECS[kv], RuntimeSpec(num_blocks, BLOCK))
+    return runtime.runner, model
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:

@@ -4,6 +4,7 @@ Both engines load the same folder, run the same prompt ids greedily for the same
 tokens on the same threads, one engine at a time (the other freed), after one warm-up
 generation each. Decode tok/s counts the tokens after the first over the time from the
 first token's logits to the last's, so prefill is excluded on both sides the same way.
+NInfer runs the request through its engine, exactly as `ninfer generate` does.
 The ceiling (bandwidth ÷ bytes read per token) says how far either is from the hardware.
 """
 
@@ -81,18 +82,6 @@ class CpuShare:
         self.share = (time.process_time() - self.cpu) / (wall * torch.get_num_threads())
 
 
-class _RecordingSampler:
-    """Wraps the session's sampler to keep the ids it picks: `generate` yields text only."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.ids = inner, []
-
-    def sample(self, logits, params, histories) -> torch.Tensor:
-        tokens = self.inner.sample(logits, params, histories)
-        self.ids.append(int(tokens[0]))
-        return tokens
-
-
 def best_of(runs: list[EngineRun]) -> EngineRun:
     """The least disturbed figures of repeated runs: the fastest decode, the fastest prefill."""
     best = max(runs, key=lambda r: r.decode_tok_s)
@@ -101,9 +90,11 @@ def best_of(runs: list[EngineRun]) -> EngineRun:
 
 
 def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int) -> EngineRun:
+    """NInfer's figures: the request through the engine as `ninfer generate` runs it."""
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
-    from ninfer_core.generation import GenerationStats, Request, Session
+    from ninfer_core.engine.request import GenerationRequest
+    from ninfer_core.generation import GenerationStats, one_request_engine, stream
     from ninfer_core.loading import load_model
     from ninfer_core.plugin_host import create_host
     from ninfer_core.sampling import SamplingParams
@@ -111,26 +102,25 @@ def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int
     host, device = create_host(), probe_device()
     runtime = RuntimeConfig(dtype=dtype, max_context=max(4096, len(prompt) + new + 1))
     loaded = load_model(path, host=host, device=device, runtime=runtime)
-    session = Session(loaded, host=host, device=device, runtime=runtime)
-    recorder = _RecordingSampler(session.sampler)
-    session.sampler = recorder
+    engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
 
     def generate(n: int) -> GenerationStats:
         stats = GenerationStats()
-        request = Request(prompt, SamplingParams(temperature=0.0), max_new_tokens=n,
-                          ignore_eos=True)  # fmt: skip
-        for _ in session.generate(request, stats):
+        request = GenerationRequest(prompt, SamplingParams(temperature=0.0), max_tokens=n,
+                                    ignore_eos=True)  # fmt: skip
+        for _ in stream(engine, request, stats):
             pass
         return stats
 
     generate(WARMUP_TOKENS)
     runs = []
     for _ in range(repeats):
-        recorder.ids.clear()
         with CpuShare() as cpu:
             stats = generate(new)
-        ids = list(recorder.ids)
-        runs.append(EngineRun(stats.prefill_tok_s, stats.decode_tok_s, ids, cpu.share))
+        runs.append(
+            EngineRun(stats.prefill_tok_s, stats.decode_tok_s, list(stats.token_ids), cpu.share)
+        )
+    engine.close()
     return best_of(runs)
 
 

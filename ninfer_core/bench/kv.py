@@ -14,10 +14,8 @@ from typing import Any
 import torch
 
 from ninfer_core.config import opt
-from ninfer_core.engine.block_manager import BlockManager
-from ninfer_core.engine.model_runner import ModelRunner
+from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
 from ninfer_core.engine.sequence import Sequence
-from ninfer_core.kv.layout import KVLayout
 
 
 @dataclass
@@ -29,28 +27,28 @@ class KVBenchConfig:
     steps: int = opt(8, "timed decode steps per point")
 
 
-def _fill(store: Any, cfg: Any, tokens: int, dtype: torch.dtype) -> None:
+def _fill(store: Any, cfg: Any, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     chunk = 4096
     for layer in range(cfg.num_layers):
         for start in range(0, tokens, chunk):
             n = min(chunk, tokens - start)
             shape = (n, cfg.num_kv_heads, cfg.head_dim)
-            k = torch.randn(shape, generator=gen).to(dtype)
-            v = torch.randn(shape, generator=gen).to(dtype)
-            store.write(layer, torch.arange(start, start + n), k, v)
+            k = torch.randn(shape, generator=gen).to(device, dtype)
+            v = torch.randn(shape, generator=gen).to(device, dtype)
+            store.write(layer, torch.arange(start, start + n, device=device), k, v)
 
 
-def decode_tok_s(loaded: Any, codec: Any, context: int, steps: int) -> float:
-    cfg, block = loaded.config, 16
-    num_blocks = -(-(context + steps + 4) // block)
-    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block, num_blocks)
-    store = codec.allocate(layout, "cpu", compute_dtype=loaded.dtype)
-    manager = BlockManager(num_blocks, block)
-    runner = ModelRunner(loaded.model, store, manager)
+def decode_tok_s(
+    loaded: Any, host: Any, device: Any, codec: str, context: int, steps: int
+) -> float:
+    """Decode steps over `context` cached tokens, their K/V encoded by `codec`."""
+    spec = RuntimeSpec.for_tokens(context + steps + 4, 16, kv_dtype=codec)
+    runtime = build_runtime(loaded, host, device, spec)
+    runner, manager = runtime.runner, runtime.block_manager
     seq = Sequence([1] * (context + 1))
     manager.allocate(seq, context)  # blocks 0.. in order, so slot = position
-    _fill(store, cfg, context, loaded.dtype)
+    _fill(runtime.kv_store, loaded.config, context, loaded.dtype, runner.device)
     seq.num_computed_tokens = context
     runner.run([(seq, 1)])  # warm-up
     start = time.perf_counter()
@@ -58,7 +56,7 @@ def decode_tok_s(loaded: Any, codec: Any, context: int, steps: int) -> float:
         seq.append_token(1)
         runner.run([(seq, 1)])
     elapsed = time.perf_counter() - start
-    del store
+    del runtime, runner
     return steps / elapsed
 
 
@@ -73,7 +71,7 @@ def bench_kv(loaded: Any, host: Any, device: Any, cfg: KVBenchConfig) -> list[di
         base = None
         for name in ["fp16", *[n for n in names if n != "fp16"]]:
             codec = host.kv_codecs.get(name)
-            tok_s = decode_tok_s(loaded, codec, context, cfg.steps)
+            tok_s = decode_tok_s(loaded, host, device, name, context, cfg.steps)
             base = tok_s if name == "fp16" else base
             rows.append({
                 "context": context, "codec": name, "decode_tok_s": tok_s,

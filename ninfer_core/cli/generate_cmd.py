@@ -1,4 +1,8 @@
-"""`ninfer generate`: one prompt in, the answer on stdout, the figures on stderr."""
+"""`ninfer generate`: one prompt in, the answer on stdout, the figures on stderr.
+
+The request runs through the `Engine`, stepped in this thread (`ninfer_core.generation`), so
+its greedy tokens are the server's for the same request; the text is printed step by step.
+"""
 
 from __future__ import annotations
 
@@ -58,7 +62,14 @@ def read_messages(path: str) -> tuple[list[dict], list[dict] | None]:
 def run(ns: argparse.Namespace) -> int:
     from ninfer_core.builtin_model import default_model
     from ninfer_core.device import probe_device
-    from ninfer_core.generation import GenerationStats, Request, Session
+    from ninfer_core.engine.request import GenerationRequest
+    from ninfer_core.generation import (
+        GenerationStats,
+        PromptText,
+        one_request_engine,
+        room_for,
+        stream,
+    )
     from ninfer_core.loading import load_model
     from ninfer_core.plugin_host import create_host
 
@@ -66,6 +77,8 @@ def run(ns: argparse.Namespace) -> int:
     runtime = config_from_args(RuntimeConfig, ns)
     if (gen.prompt is None) == (gen.messages is None):
         raise NInferError("give exactly one of --prompt TEXT or --messages FILE.json")
+    if gen.max_new < 1:
+        raise NInferError(f"--max-new must be at least 1, got {gen.max_new}")
     if runtime.threads > 0:
         torch.set_num_threads(runtime.threads)
     overrides = {f.name: getattr(ns, f.name) for f in dataclasses.fields(SamplingParams)}
@@ -81,23 +94,26 @@ def run(ns: argparse.Namespace) -> int:
     device = probe_device()
     path = ns.model or str(default_model())
     loaded = load_model(path, host=host, device=device, runtime=runtime)
-    session = Session(loaded, host=host, device=device, runtime=runtime, seed=ns.seed)
+    engine = one_request_engine(loaded, host=host, device=device, runtime=runtime, seed=ns.seed)
+    text = PromptText.from_loaded(loaded, engine.tokenizer)
     if gen.messages is not None:
         messages, tools = read_messages(gen.messages)
-        prompt_ids = session.render_chat(messages, tools)
+        prompt_ids = text.chat_ids(messages, tools)
     elif gen.raw:
-        prompt_ids = session.encode(gen.prompt)
+        prompt_ids = text.raw_ids(gen.prompt)
     else:
-        prompt_ids = session.render_chat([{"role": "user", "content": gen.prompt}])
-    request = Request(
-        prompt_ids=prompt_ids,
-        params=session.sampling_params(**overrides),
-        max_new_tokens=gen.max_new,
+        prompt_ids = text.chat_ids([{"role": "user", "content": gen.prompt}])
+    if not prompt_ids:
+        raise NInferError("the prompt is empty")
+    request = GenerationRequest(
+        prompt_ids,
+        text.sampling_params(**overrides),
+        max_tokens=room_for(engine, len(prompt_ids), gen.max_new),
         stop=gen.stop,
     )
     stats = GenerationStats()
     start = time.perf_counter()
-    for delta in session.generate(request, stats):
+    for delta in stream(engine, request, stats):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -105,7 +121,7 @@ def run(ns: argparse.Namespace) -> int:
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     sys.stderr.write(
         f"model: {loaded.path} ({loaded.config.architecture}, {str(loaded.dtype)[6:]}, "
-        f"backend {loaded.backend}, kv {session.kv_codec})\n"
+        f"backend {loaded.backend}, kv {engine.kv_codec})\n"
         f"load: {loaded.load_seconds:.2f} s\n"
         f"prompt tokens: {stats.prompt_tokens}, prefill: {stats.prefill_tok_s:.1f} tok/s\n"
         f"completion tokens: {stats.completion_tokens} ({stats.finish_reason}), "

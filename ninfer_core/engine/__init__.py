@@ -1,4 +1,5 @@
-"""The engine: sequences, KV blocks and the prefix cache, the scheduler, the step loop.
+"""The engine: sequences, KV blocks and the prefix cache, the scheduler, the step loop, and
+the runtime that wires a model to its KV pool.
 
 Importing this package costs little: the engine and its dependencies load on first
 use of the names below.
@@ -13,6 +14,10 @@ _EXPORTS = {
     "BlockManager": "ninfer_core.engine.block_manager",
     "OutOfBlocksError": "ninfer_core.engine.block_manager",
     "ModelRunner": "ninfer_core.engine.model_runner",
+    "Runtime": "ninfer_core.engine.runtime",
+    "RuntimeSpec": "ninfer_core.engine.runtime",
+    "build_runtime": "ninfer_core.engine.runtime",
+    "assemble_runtime": "ninfer_core.engine.runtime",
     "Sequence": "ninfer_core.engine.sequence",
     "Engine": "ninfer_core.engine.engine",
     "EngineConfig": "ninfer_core.engine.config",

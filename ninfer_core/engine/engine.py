@@ -1,5 +1,9 @@
 """`Engine`: the model runner, the KV pool, the scheduler and the sampler, stepped in a loop.
 
+It is the one decode loop: the server steps it on its own thread, `ninfer generate` and the
+decode benches from theirs (`ninfer_core.generation`). The runner, store and pages come from
+`runtime.build_runtime`, as they do for every other caller.
+
 A step is three verbs: `schedule` (policy: who runs how many tokens), `run` (one forward over
 the ragged batch), `postprocess` (sample, detokenize, check stops, finish). `step()` does one,
 so tests and the bench drive the engine deterministically, with a fake clock if they like;
@@ -29,11 +33,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ninfer_core.device import DeviceInfo
-from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine_thread import StepThread
 from ninfer_core.engine.faults import run_isolated, unusable_rows
-from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.engine.request import (
     EngineClosedError,
     EngineError,
@@ -50,15 +52,13 @@ from ninfer_core.engine.request import (
     RequestState,
     RequestTooLargeError,
 )
+from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
 from ninfer_core.engine.stats import EngineCounters, StepOutcome
-from ninfer_core.kv import kv_codec_name
-from ninfer_core.kv.layout import KVLayout
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.sampling import Sampler
-from ninfer_core.selection import choose
 from ninfer_core.text import GenerationDefaults, Tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -82,19 +82,14 @@ class Engine(StepThread):
         self.tokenizer = Tokenizer.from_artifact(artifact)
         defaults = GenerationDefaults.from_artifact(artifact)
         self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
-        self.max_context = min(config.max_context, model_cfg.max_position_embeddings)
+        self.max_context = config.context_for(model_cfg.max_position_embeddings)
         self.vocab_size = model_cfg.vocab_size
-        wanted = kv_codec_name(kv_dtype, loaded.dtype)
-        self.kv_codec = choose(host, "kv_codecs", device, wanted).chosen
-        layout = KVLayout(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                          config.block_size, config.num_blocks)  # fmt: skip
-        codec = host.kv_codecs.get(self.kv_codec)
-        store = codec.allocate(layout, device.torch_device, compute_dtype=loaded.dtype)
-        self.block_manager = BlockManager(
-            config.num_blocks, config.block_size,
-            enable_prefix_cache=config.prefix_cache, salt=f"kv-codec={self.kv_codec}",
-        )  # fmt: skip
-        self.runner = ModelRunner(loaded.model, store, self.block_manager)
+        spec = RuntimeSpec(num_blocks=config.num_blocks, block_size=config.block_size,
+                           kv_dtype=kv_dtype, prefix_cache=config.prefix_cache)  # fmt: skip
+        self.runtime = build_runtime(loaded, host, device, spec)
+        self.kv_codec = self.runtime.kv_codec
+        self.block_manager = self.runtime.block_manager
+        self.runner = self.runtime.runner
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(seed)
         self.counters = EngineCounters()
@@ -255,7 +250,8 @@ class Engine(StepThread):
                 lives.append(self._by_seq[seq.seq_id])
         if not rows:
             return
-        logits = logits[rows]
+        if len(rows) < logits.shape[0]:  # a decode step samples every row: no copy then
+            logits = logits[rows]
         # Per sequence from here: a row, a token or a text step that fails ends its own request.
         keep = []
         for j, (live, dead) in enumerate(zip(lives, unusable_rows(logits), strict=True)):

@@ -22,12 +22,18 @@ it: `concurrency - 1` decode tokens and one prefill chunk, every sequence at
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import decode_length
+
+if TYPE_CHECKING:
+    from ninfer_core.device import DeviceInfo
+    from ninfer_core.engine.runtime import Runtime
+    from ninfer_core.loading import LoadedModel
+    from ninfer_core.plugin_host import PluginHost
 
 #: Bytes per cached value that gathering a quantized sequence needs beside the two
 #: compute-dtype outputs: V's codes and two fp32 decode temporaries (codes as floats, then
@@ -186,11 +192,20 @@ def measure_workspace(
     return Workspace(peak, "measured", prefill_chunk, context, concurrency, {"peak": peak})
 
 
-def profiling_store(codec: Any, config: ModelConfig, *, block_size: int, prefill_chunk: int,
-                    device: torch.device | str, dtype: torch.dtype) -> Any:  # fmt: skip
-    """A KV store just big enough for `run_profiling_step`'s writes, before the pool is sized."""
-    from ninfer_core.kv.layout import KVLayout
+def profiling_runtime(
+    loaded: LoadedModel,
+    host: PluginHost,
+    device: DeviceInfo,
+    *,
+    kv_dtype: str,
+    block_size: int,
+    prefill_chunk: int,
+) -> Runtime:
+    """The runtime `run_profiling_step` runs in, before the pool is sized: built by the
+    engine's own builder (`engine.runtime.build_runtime`, so the codec, store and runner are
+    the ones the engine will use), with just enough pages for the step's writes."""
+    from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
 
     pages = -(-prefill_chunk // block_size) + 1
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size, pages)
-    return codec.allocate(layout, device, compute_dtype=dtype)
+    spec = RuntimeSpec(num_blocks=pages, block_size=block_size, kv_dtype=kv_dtype)
+    return build_runtime(loaded, host, device, spec)
