@@ -23,12 +23,15 @@ class NInferError(Exception):
 class UnknownNameError(NInferError, KeyError):
     """A name was asked of a registry that does not hold it."""
 
-    def __init__(self, kind: str, name: str, known: Iterable[str]) -> None:
+    def __init__(self, kind: str, name: str, known: Iterable[str], *, note: str = "") -> None:
         self.kind = kind
         self.name = name
         self.known = sorted(known)
         listing = ", ".join(self.known) if self.known else "(none registered)"
-        super().__init__(f"unknown {kind} {name!r}; known {plural(kind)}: {listing}")
+        #: What was left out (plugins that failed to load), when the name may be theirs.
+        self.note = note
+        tail = f"; {note}" if note else ""
+        super().__init__(f"unknown {kind} {name!r}; known {plural(kind)}: {listing}{tail}")
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])

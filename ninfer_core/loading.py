@@ -9,15 +9,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from ninfer_core import conformance
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.errors import ModelLoadError, UnknownNameError
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_host import PluginHost
+from ninfer_core.plugin_types import Artifact, CausalLM, KernelOps, ModelFamily
 from ninfer_core.selection import choose
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,11 +29,11 @@ class LoadedModel:
     """A model with its weights in place, and the choices made on the way."""
 
     path: Path
-    artifact: Any
+    artifact: Artifact
     config: ModelConfig
-    family: Any
-    model: torch.nn.Module
-    ops: Any
+    family: ModelFamily
+    model: CausalLM
+    ops: KernelOps
     dtype: torch.dtype
     backend: str
     load_seconds: float
@@ -48,14 +49,16 @@ def compute_dtype(name: str, device: DeviceInfo) -> torch.dtype:
         raise UnknownNameError("dtype", name, [*DTYPES, "auto"]) from None
 
 
-def open_artifact(host: PluginHost, path: str | Path) -> Any:
+def open_artifact(host: PluginHost, path: str | Path) -> Artifact:
     """Open `path` with the first reader that recognises it."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     for reader in host.artifact_readers:
         if reader.can_read(path):
-            return reader.open(path)
+            artifact = reader.open(path)
+            conformance.check(artifact, Artifact, f"the artifact reader {reader.name!r} opened")
+            return artifact
     if path.is_file() and path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise ModelLoadError(
             f"{path}: pickle checkpoints are refused (loading them can run arbitrary code); "
@@ -65,7 +68,7 @@ def open_artifact(host: PluginHost, path: str | Path) -> Any:
     raise ModelLoadError(f"{path}: no artifact reader recognises it; readers: {readers}")
 
 
-def family_and_config(host: PluginHost, artifact: Any) -> tuple[Any, ModelConfig]:
+def family_and_config(host: PluginHost, artifact: Artifact) -> tuple[ModelFamily, ModelConfig]:
     """The model family that builds the artifact's architecture, and its parsed config,
     checked against the artifact's tensors (when the family can) before anything is built."""
     archs = artifact.config.get("architectures") or []
@@ -87,9 +90,8 @@ def family_and_config(host: PluginHost, artifact: Any) -> tuple[Any, ModelConfig
             raise
         where = artifact.path / "config.json"
         raise ModelLoadError(f"{where}: {message.removeprefix('config.json: ')}") from None
-    check = getattr(family, "check_artifact", None)  # optional: families may not have it
-    if check is not None:
-        check(config, artifact)
+    if family.check_artifact is not None:  # optional (None: checked as the weights load)
+        family.check_artifact(config, artifact)
     return family, config
 
 
@@ -103,12 +105,13 @@ def load_model(
     if backend_report.chosen is None:
         raise ModelLoadError("no kernel backend supports this device (see `ninfer probe`)")
     ops = host.kernel_backends.get(backend_report.chosen).create_ops(device)
+    conformance.check(ops, KernelOps, f"the ops of kernel backend {backend_report.chosen!r}")
     dtype = compute_dtype(runtime.dtype, device)
     model = family.build(config, ops, dtype)
+    conformance.check(model, CausalLM, f"the model built by family {family.name!r}")
     family.load_weights(model, artifact)
-    if hasattr(model, "pack_weights"):
-        model.pack_weights()
-    model.eval()
+    model.pack_weights()
+    model.eval()  # type: ignore[attr-defined]  # a torch.nn.Module
     return LoadedModel(
         path=Path(path),
         artifact=artifact,

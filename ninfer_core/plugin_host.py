@@ -1,14 +1,22 @@
 """The plugin host: one pluggy manager and the registries built from it.
 
 A host is created per engine or app (never a module global), so a test can add a
-plugin for itself alone. Entry points of group `ninfer` are loaded one by one; a
-plugin that fails to import or returns malformed objects is recorded with its
-name and the reason, and the host carries on without it.
+plugin for itself alone. Entry points of group `ninfer` are loaded one by one. A
+plugin that fails to import, implements a hook no spec declares (a typo), or raises
+from a hook is *broken*: recorded with its name and the reason, unregistered, and the
+host carries on without it. An object that does not keep its kind's contract
+(`ninfer_core.plugin_types`) is *refused*: recorded, not registered. A command fails
+only when its configuration names something that is missing, and then the message
+lists what failed to load.
+
+Hooks are called through pluggy with keyword arguments, one implementation at a
+time, so every object keeps the plugin and distribution it came from and one
+plugin's exception is that plugin's failure alone.
 
 Environment:
   NINFER_PLUGINS        comma-separated allowlist of entry-point names to load from
                         third-party distributions (unset: all; built-ins always load)
-  NINFER_TRACE_PLUGINS  "1" prints every hook call and what it returned to stderr
+  NINFER_TRACE_PLUGINS  "1": pluggy's tracing of every hook call and its result, to stderr
 """
 
 from __future__ import annotations
@@ -17,14 +25,23 @@ import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pluggy
 
-from ninfer_core import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
-from ninfer_core.errors import DuplicateNameError, NInferError
+from ninfer_core import ENTRY_POINT_GROUP, PROJECT_NAME, conformance, hookspecs
+from ninfer_core.errors import DuplicateNameError, UnknownNameError
+from ninfer_core.hookspecs import EXTENSION_POINTS, ExtensionPoint
+from ninfer_core.plugin_types import (
+    ArtifactReader,
+    DraftStrategy,
+    Frontend,
+    KernelBackend,
+    KVCodec,
+    ModelFamily,
+)
 from ninfer_core.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -32,24 +49,21 @@ log = logging.getLogger(__name__)
 #: The distribution whose entry points are the built-in plugins.
 BUILTIN_DISTRIBUTION = "ninfer"
 
-#: Extension point → (hook name, human name of one object). Order is the probe's order.
-EXTENSION_POINTS: dict[str, tuple[str, str]] = {
-    "artifact_readers": ("register_artifact_readers", "artifact reader"),
-    "model_families": ("register_model_families", "model family"),
-    "kv_codecs": ("register_kv_codecs", "KV codec"),
-    "kernel_backends": ("register_kernel_backends", "kernel backend"),
-    "draft_strategies": ("register_draft_strategies", "draft strategy"),
-    "frontends": ("register_frontends", "API frontend"),
-}
-
 
 @dataclass(frozen=True, slots=True)
 class PluginFailure:
-    """A plugin that could not be used, and why."""
+    """A plugin that could not be used (broken), or one object of it that was refused."""
 
     plugin: str
     distribution: str
     reason: str
+    #: "broken": the whole plugin is left out; "refused": one object it returned is.
+    status: Literal["broken", "refused"] = "broken"
+    #: For a refused object, the extension point it was returned for.
+    point: str = ""
+
+    def describe(self) -> str:
+        return f"plugin {self.plugin!r} ({self.distribution}) {self.status}: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,40 +84,48 @@ class PluginHost:
     registries: dict[str, Registry[Any]] = field(default_factory=dict)
     trace: bool = False
 
+    def registry(self, point: str) -> Registry[Any]:
+        """The registry of any extension point in `hookspecs.EXTENSION_POINTS`."""
+        return self.registries[point]
+
     # Typed accessors for the registries the runtime uses most.
     @property
-    def artifact_readers(self) -> Registry[Any]:
+    def artifact_readers(self) -> Registry[ArtifactReader]:
         return self.registries["artifact_readers"]
 
     @property
-    def model_families(self) -> Registry[Any]:
+    def model_families(self) -> Registry[ModelFamily]:
         return self.registries["model_families"]
 
     @property
-    def kv_codecs(self) -> Registry[Any]:
+    def kv_codecs(self) -> Registry[KVCodec]:
         return self.registries["kv_codecs"]
 
     @property
-    def kernel_backends(self) -> Registry[Any]:
+    def kernel_backends(self) -> Registry[KernelBackend]:
         return self.registries["kernel_backends"]
 
     @property
-    def draft_strategies(self) -> Registry[Any]:
+    def draft_strategies(self) -> Registry[DraftStrategy]:
         return self.registries["draft_strategies"]
 
     @property
-    def frontends(self) -> Registry[Any]:
+    def frontends(self) -> Registry[Frontend]:
         return self.registries["frontends"]
 
-    def family_for(self, architecture: str) -> Any:
+    def family_for(self, architecture: str) -> ModelFamily:
         """The model family that builds `architecture` (a `config.json` name)."""
-        from ninfer_core.errors import UnknownNameError
-
         for family in self.model_families:
             if architecture in family.architectures:
                 return family
         known = [a for f in self.model_families for a in f.architectures]
-        raise UnknownNameError("architecture", architecture, known)
+        raise UnknownNameError(
+            "architecture", architecture, known, note=self.model_families.unavailable_note()
+        )
+
+    def broken(self) -> list[PluginFailure]:
+        """Plugins left out whole (they may have provided anything)."""
+        return [f for f in self.failures if f.status == "broken"]
 
 
 def _allowlist_from_env() -> set[str] | None:
@@ -123,37 +145,52 @@ def create_host(
     allowlist: Iterable[str] | None = None,
     trace: bool | None = None,
     extra_plugins: Sequence[tuple[str, object]] = (),
+    hook_arguments: Mapping[str, object] | None = None,
+    warn: bool = True,
 ) -> PluginHost:
     """Build a fresh host: load plugins, check them, fold their objects into registries.
 
     `extra_plugins` are (name, module-or-object) pairs registered after the entry
     points, the way a test or an embedding application adds its own plugin.
+    `hook_arguments` are passed by keyword to every `register_*` hook; an
+    implementation takes the subset it names (the built-in specs take none today).
+    `warn` logs a warning per failure (`ninfer plugins` and `probe` list them instead).
     """
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     if trace is None:
         trace = os.environ.get("NINFER_TRACE_PLUGINS", "") not in ("", "0")
+    if trace:
+        pm.trace.root.setwriter(_trace_writer)
+        pm.enable_tracing()
     allowed = set(allowlist) if allowlist is not None else _allowlist_from_env()
     host = PluginHost(pm=pm, trace=trace)
     if load_entry_points:
         _load_entry_points(host, allowed)
     for name, plugin in extra_plugins:
-        pm.register(plugin, name=name)
-        host.plugins.append(LoadedPlugin(name, "(registered in process)", "", repr(plugin)))
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        name = host.pm.get_name(exc.plugin) or repr(exc.plugin)
-        raise NInferError(f"plugin {name!r}: {exc}") from None
-    if trace:
-        pm.trace.root.setwriter(_trace_writer)
-        pm.enable_tracing()
-    _build_registries(host)
+        _register(host, plugin, name, "(registered in process)", "", repr(plugin))
+    _drop_unmatched_hooks(host)
+    _build_registries(host, dict(hook_arguments or {}))
+    if warn:
+        for failure in host.failures:
+            log.warning("%s", failure.describe())
     return host
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
     return ep.dist.name if ep.dist is not None else "?"
+
+
+def _register(
+    host: PluginHost, plugin: object, name: str, dist: str, version: str, module: str
+) -> None:
+    try:
+        host.pm.register(plugin, name=name)
+    except Exception as exc:  # e.g. a hookimpl taking an argument its spec lacks
+        reason = f"{type(exc).__name__}: {exc}"
+        host.failures.append(PluginFailure(name, dist, reason))
+        return
+    host.plugins.append(LoadedPlugin(name, dist, version, module))
 
 
 def _load_entry_points(host: PluginHost, allowed: set[str] | None) -> None:
@@ -170,14 +207,29 @@ def _load_entry_points(host: PluginHost, allowed: set[str] | None) -> None:
             continue
         try:
             plugin = ep.load()
-            host.pm.register(plugin, name=ep.name)
         except Exception as exc:  # a broken plugin must not take the host down
             reason = f"failed to load {ep.value}: {type(exc).__name__}: {exc}"
-            log.warning("plugin %s (%s) %s", ep.name, dist, reason)
             host.failures.append(PluginFailure(ep.name, dist, reason))
             continue
         log.debug("plugin %s -> %s (%s %s)", ep.name, ep.value, dist, version)
-        host.plugins.append(LoadedPlugin(ep.name, dist, version, ep.value))
+        _register(host, plugin, ep.name, dist, version, ep.value)
+
+
+def _drop_unmatched_hooks(host: PluginHost) -> None:
+    """pluggy's `check_pending`, one plugin at a time: a plugin with a hook no spec
+    declares (`register_kv_codec`, a typo) is unregistered and reported as broken."""
+    while True:
+        try:
+            host.pm.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            name = host.pm.get_name(exc.plugin) or repr(exc.plugin)
+            host.pm.unregister(exc.plugin)
+            loaded = next((p for p in host.plugins if p.name == name), None)
+            if loaded is not None:
+                host.plugins.remove(loaded)
+            dist = loaded.distribution if loaded else "?"
+            host.failures.append(PluginFailure(name, dist, str(exc)))
 
 
 def _distribution_of(host: PluginHost, plugin_name: str) -> str:
@@ -187,54 +239,79 @@ def _distribution_of(host: PluginHost, plugin_name: str) -> str:
     return "?"
 
 
-def _build_registries(host: PluginHost) -> None:
-    """Call every `register_*` implementation once and fold the results by name."""
-    for point, (hook_name, kind) in EXTENSION_POINTS.items():
-        registry: Registry[Any] = Registry(kind)
-        host.registries[point] = registry
-        hook = getattr(host.pm.hook, hook_name)
-        # Called implementation by implementation so each object keeps its source.
-        for impl in hook.get_hookimpls():  # registration order
+def _call_one(host: PluginHost, point: ExtensionPoint, impl: Any, kwargs: dict) -> list[Any]:
+    """Call `point`'s hook for one implementation only, through pluggy's hook execution.
+
+    This is what `pm.hook.<name>(**kwargs)` runs, narrowed to one implementation:
+    pluggy maps the keyword arguments onto the ones the implementation names and its
+    tracing sees the call. (`pm.subset_hook_caller` would do the same but puts plugins
+    in a set, and a plugin object need not be hashable.)
+    """
+    if host.trace:
+        host.pm.trace.root.get("ninfer")(f"{point.hook} from plugin {impl.plugin_name!r}")
+    results = host.pm._hookexec(point.hook, [impl], kwargs, False)
+    return [obj for objects in results for obj in objects or ()]
+
+
+def _build_registries(host: PluginHost, kwargs: dict[str, object]) -> None:
+    """Call every `register_*` implementation once, check each object, fold by name."""
+    for point in EXTENSION_POINTS.values():
+        registry: Registry[Any] = Registry(point.kind)
+        host.registries[point.point] = registry
+        for impl in getattr(host.pm.hook, point.hook).get_hookimpls():  # registration order
             plugin_name = impl.plugin_name
             dist = _distribution_of(host, plugin_name)
             try:
-                objects = impl.function() or []
+                objects = _call_one(host, point, impl, kwargs)
             except Exception as exc:
-                reason = f"{hook_name} raised {type(exc).__name__}: {exc}"
+                reason = f"{point.hook} raised {type(exc).__name__}: {exc}"
                 host.failures.append(PluginFailure(plugin_name, dist, reason))
                 continue
-            if host.trace:
-                names = [getattr(o, "name", repr(o)) for o in objects]
-                _trace_writer(f"{hook_name} [{plugin_name}] -> {names}\n")
             for obj in objects:
-                problem = _malformed(obj)
-                if problem:
-                    reason = f"{hook_name} returned a malformed {kind}: {problem}"
-                    host.failures.append(PluginFailure(plugin_name, dist, reason))
-                    continue
-                try:
-                    registry.add(obj.name, obj, plugin=plugin_name, distribution=dist)
-                except DuplicateNameError as exc:
-                    host.failures.append(PluginFailure(plugin_name, dist, str(exc)))
+                _add(host, registry, point, obj, plugin_name, dist)
     _check_architectures(host)
+    notes = [f.describe() for f in host.broken()]
+    for point, registry in host.registries.items():
+        refused = [f.describe() for f in host.failures if f.point == point]
+        registry.unavailable = [*notes, *refused]
 
 
-def _malformed(obj: object) -> str:
-    for attr in ("name", "description"):
-        if not isinstance(getattr(obj, attr, None), str) or not getattr(obj, attr):
-            return f"{obj!r} has no {attr} string"
-    if not callable(getattr(obj, "supports", None)):
-        return f"{obj!r} has no supports(device)"
-    return ""
+def _add(
+    host: PluginHost,
+    registry: Registry[Any],
+    point: ExtensionPoint,
+    obj: object,
+    plugin: str,
+    dist: str,
+) -> None:
+    found = conformance.problems(obj, point.protocol)
+    if found:
+        reason = (
+            f"{point.hook} returned a malformed {point.kind} {obj!r}: "
+            f"{'; '.join(found)} (contract: ninfer_core.plugin_types.{point.protocol.__name__})"
+        )
+        host.failures.append(PluginFailure(plugin, dist, reason, "refused", point.point))
+        return
+    try:
+        registry.add(obj.name, obj, plugin=plugin, distribution=dist)  # type: ignore[attr-defined]
+    except DuplicateNameError as exc:
+        host.failures.append(PluginFailure(plugin, dist, str(exc), "refused", point.point))
 
 
 def _check_architectures(host: PluginHost) -> None:
+    """Two families claiming one architecture: the later one is refused, naming both."""
     owner: dict[str, str] = {}
-    for entry in host.model_families.entries():
-        for arch in getattr(entry.obj, "architectures", ()):
-            if arch in owner:
-                raise DuplicateNameError(
-                    f"architecture {arch!r} is claimed by model families {owner[arch]!r} "
-                    f"and {entry.name!r}"
-                )
-            owner[arch] = entry.name
+    registry = host.model_families
+    for entry in registry.entries():
+        clash = [a for a in entry.obj.architectures if a in owner]
+        if clash:
+            reason = (
+                f"model family {entry.name!r} claims architecture {clash[0]!r}, "
+                f"which model family {owner[clash[0]]!r} builds"
+            )
+            host.failures.append(
+                PluginFailure(entry.plugin, entry.distribution, reason, "refused", "model_families")
+            )
+            registry.remove(entry.name)
+            continue
+        owner.update(dict.fromkeys(entry.obj.architectures, entry.name))

@@ -1,8 +1,22 @@
-"""What each kind of plugin object looks like.
+"""The contract of every plugin kind and of what plugin objects return or build.
 
-`register_*` hooks (see `hookspecs.py`) return plain objects of these shapes; the
-host folds them into name-keyed registries once at startup. Every object has a
-`name`, a one-line `description` and `supports(device) -> Support`.
+`register_*` hooks (see `hookspecs.py`) return objects of the registered kinds
+(`ArtifactReader`, `ModelFamily`, `KVCodec`, `KernelBackend`, `DraftStrategy`,
+`Frontend`); those build the runtime objects (`Artifact`, `CausalLM`, `KVStore`,
+`KernelOps`). Each is a Protocol listing every member the core uses, so nothing is
+found by `hasattr`: `ninfer_core.conformance` checks an object against its protocol
+(every member present, every method callable the way the core calls it) and the
+host refuses a registered object that does not conform, naming plugin, object and
+member.
+
+Optional members are declared here with a default (`None`, `()`) that says what
+the core does without them. An object must still declare them: either set the
+member (to the default when it has nothing to offer) or subclass the protocol,
+which inherits the defaults. An optional callable member's shape is the
+`__call__` of the small protocol it is typed with (`GatherHeads`, ...).
+
+The core passes a method's required arguments by position and its optional ones
+by name, exactly as the protocol's signature spells them.
 """
 
 from __future__ import annotations
@@ -14,7 +28,11 @@ if TYPE_CHECKING:
     import torch
 
     from ninfer_core.device import DeviceInfo
+    from ninfer_core.engine.attention_meta import AttentionMetadata
+    from ninfer_core.kv.hadamard import HeadRotation
+    from ninfer_core.kv.layout import KVLayout
     from ninfer_core.model.config import ModelConfig
+    from ninfer_core.serve.errors import ApiError
     from ninfer_core.support import Support
 
 
@@ -22,12 +40,84 @@ if TYPE_CHECKING:
 class Plugin(Protocol):
     """The part every registered object shares."""
 
+    #: The name users configure it by (`--kv-dtype NAME`); unique per extension point.
     name: str
+    #: One line for `ninfer plugins` and `ninfer probe`.
     description: str
 
-    def supports(self, device: DeviceInfo) -> Support: ...
+    def supports(self, device: DeviceInfo) -> Support:
+        """Whether it runs on `device`; a refusal says why (the reason reaches the user)."""
+        ...
 
 
+# --------------------------------------------------------------------------
+# Shapes of optional callable members
+# --------------------------------------------------------------------------
+
+
+class TensorFile(Protocol):
+    def __call__(self, name: str) -> Path:
+        """The file holding tensor `name`, for messages about it."""
+        ...
+
+
+class LoadWeight(Protocol):
+    def __call__(self, name: str) -> Any:
+        """Tensor `name` as the model should hold it: a dense tensor or a `QuantizedTensor`."""
+        ...
+
+
+class TensorFormat(Protocol):
+    def __call__(self, name: str) -> str:
+        """The weight format tensor `name` is stored in (`q4g64`, `bf16`, ...)."""
+        ...
+
+
+class ObjectTable(Protocol):
+    def __call__(self) -> list[Any]:
+        """Every stored object with its `name` and `nbytes` (sizes without reading data)."""
+        ...
+
+
+class CheckArtifact(Protocol):
+    def __call__(self, config: ModelConfig, artifact: Artifact) -> None:
+        """Raise `ModelLoadError` when `artifact` lacks a weight `config` implies."""
+        ...
+
+
+class GatherHeads(Protocol):
+    def __call__(
+        self,
+        layer: int,
+        block_table: torch.Tensor,
+        length: int | None = None,
+        *,
+        rotated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `KVStore.gather`, head-major: k, v [(B,) Hkv, L, D]. With `rotated`, K and
+        V stay in the store's `rotation` (a store without one ignores it)."""
+        ...
+
+
+class PackedSizer(Protocol):
+    def __call__(self, fmt: str, shape: tuple[int, int], *, dtype: torch.dtype) -> int | None:
+        """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt` and run in
+        `dtype`, or None where it keeps the matrix as loaded."""
+        ...
+
+
+class ErrorBody(Protocol):
+    def __call__(self, error: ApiError) -> dict[str, Any]:
+        """The JSON body of `error` in this frontend's protocol shape."""
+        ...
+
+
+# --------------------------------------------------------------------------
+# Formats: artifacts and model families
+# --------------------------------------------------------------------------
+
+
+@runtime_checkable
 class Artifact(Protocol):
     """An opened model artifact: config, weights and the text files beside them."""
 
@@ -50,7 +140,17 @@ class Artifact(Protocol):
         """A text file shipped with the model (`tokenizer.json`, ...), or None when absent."""
         ...
 
+    #: None: messages about a tensor name the artifact's `path`.
+    tensor_file: TensorFile | None = None
+    #: None: weights are loaded with `load_tensor` (dense, cast to the model dtype).
+    load_weight: LoadWeight | None = None
+    #: None: every tensor is dense, in its stored dtype.
+    tensor_format: TensorFormat | None = None
+    #: None: sizes are computed from shapes and formats.
+    object_table: ObjectTable | None = None
 
+
+@runtime_checkable
 class ArtifactReader(Plugin, Protocol):
     """Opens one artifact format (a Hugging Face folder, a `.ninfer` container, ...)."""
 
@@ -63,44 +163,186 @@ class ArtifactReader(Plugin, Protocol):
         ...
 
 
+@runtime_checkable
+class CausalLM(Protocol):
+    """The model a family builds (a `torch.nn.Module`): one forward over a step's tokens
+    from every sequence flattened into one ragged batch, logits only for chosen rows."""
+
+    config: ModelConfig
+    #: The compute dtype of activations (and of dense weights).
+    dtype: torch.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_store: KVStore,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] (all sequences flattened) -> hidden states [T, hidden].
+
+        Writes the step's K/V into `kv_store` at `meta.slot_mapping` on the way."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (only the rows to sample from) -> logits [N, vocab] fp32."""
+        ...
+
+    def pack_weights(self) -> None:
+        """Hand every weight to the kernel backend's `pack_linear`, once, after loading."""
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold, packed copies included, each object counted once."""
+        ...
+
+
+@runtime_checkable
 class ModelFamily(Plugin, Protocol):
     """An architecture family: which `config.json` architectures it builds, and how."""
 
+    #: The `config.json` `architectures` names it builds (`Qwen3ForCausalLM`).
     architectures: tuple[str, ...]
 
-    def parse_config(self, raw: dict[str, Any]) -> ModelConfig: ...
+    def parse_config(self, raw: dict[str, Any]) -> ModelConfig:
+        """The checked config; `raw` is untrusted, every field read is validated."""
+        ...
 
-    def build(self, config: ModelConfig, ops: Any, dtype: torch.dtype) -> torch.nn.Module:
+    def build(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype) -> CausalLM:
         """A model with empty (meta or uninitialised) weights, ready for `load_weights`."""
         ...
 
+    def load_weights(self, model: CausalLM, artifact: Artifact) -> None:
+        """Fill `model`'s weights from `artifact`."""
+        ...
 
+    #: None: the artifact's tensors are first checked when the weights load.
+    check_artifact: CheckArtifact | None = None
+
+
+# --------------------------------------------------------------------------
+# Runtime: KV cache and kernels
+# --------------------------------------------------------------------------
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """The paged K/V pool of one model, as a codec allocated it (see `ninfer_core.kv`)."""
+
+    layout: KVLayout
+    #: Storage dtype (of the K codes for a quantized store), for reports.
+    dtype: torch.dtype
+    #: The dtype `gather` returns: the model's compute dtype.
+    compute_dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds."""
+        ...
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode and store new tokens. slots: [T] int64 flat slot; k, v: [T, Hkv, D]."""
+        ...
+
+    def gather(
+        self, layer: int, block_table: torch.Tensor, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode whole pages. block_table: [nb] or [B, nb] -> k, v: [(B,) L, Hkv, D]."""
+        ...
+
+    #: None: attention transposes what `gather` returns.
+    gather_heads: GatherHeads | None = None
+    #: None: K and V are stored as given. Otherwise they are stored rotated, and
+    #: `gather_heads(..., rotated=True)` (then required) returns them still rotated.
+    rotation: HeadRotation | None = None
+
+
+@runtime_checkable
 class KVCodec(Plugin, Protocol):
     """How keys and values are stored in the paged pool (fp16, int8, ...)."""
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int: ...
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of one token over every layer and KV head."""
+        ...
 
-    def allocate(self, layout: Any, device: torch.device) -> Any:
-        """A KV store for `layout` (see `ninfer_core.kv`)."""
+    def allocate(
+        self, layout: KVLayout, device: torch.device | str, compute_dtype: torch.dtype | None = None
+    ) -> KVStore:
+        """A zeroed store for `layout`; its `gather` returns `compute_dtype` (None: the
+        codec's own choice)."""
         ...
 
 
+@runtime_checkable
+class KernelOps(Protocol):
+    """Every tensor op the model calls; `ninfer_core.model.ops.KernelOps` is the base
+    class whose docstrings spell out shapes. T = tokens in the step."""
+
+    name: str
+    device: torch.device
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def linear(self, x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def pack_linear(self, w: Any, *, dtype: torch.dtype | None = None) -> Any: ...
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        kv_store: KVStore,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    #: None: `ninfer plan` sizes packed weights by packing a probe weight.
+    packed_nbytes: PackedSizer | None = None
+
+
+@runtime_checkable
 class KernelBackend(Plugin, Protocol):
     """A set of kernels (GEMM, norms, attention) the model calls through."""
 
     #: Higher wins when several are supported and none is configured.
     priority: int
 
-    def create_ops(self, device: DeviceInfo) -> Any:
-        """The ops object handed to the model (see `ninfer_core.model.ops.KernelOps`)."""
+    def create_ops(self, device: DeviceInfo) -> KernelOps:
+        """The ops object handed to the model."""
         ...
 
 
+# --------------------------------------------------------------------------
+# Decoding and serving
+# --------------------------------------------------------------------------
+
+
+@runtime_checkable
 class DraftStrategy(Plugin, Protocol):
     """Proposes draft tokens for speculative decoding (MTP, n-gram, ...)."""
 
 
+@runtime_checkable
 class Frontend(Plugin, Protocol):
     """An HTTP API dialect (OpenAI, Anthropic): routes that turn requests into generations."""
 
-    def route_handlers(self, app_state: Any) -> list[Any]: ...
+    def route_handlers(self, app_state: Any) -> list[Any]:
+        """The litestar route handlers, given the app's shared `ServeState`."""
+        ...
+
+    #: Path prefixes whose errors take this frontend's shape (the longest prefix wins).
+    #: (): every error keeps the core shape.
+    error_paths: tuple[str, ...] = ()
+    #: None: errors keep the core shape even under `error_paths`.
+    error_body: ErrorBody | None = None

@@ -31,6 +31,14 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
+        #: Plugins left out, and objects of this kind refused, when the host was built:
+        #: an unknown name may be theirs, so the error lists them.
+        self.unavailable: list[str] = []
+
+    def unavailable_note(self) -> str:
+        if not self.unavailable:
+            return ""
+        return "not loaded: " + "; ".join(self.unavailable)
 
     def add(self, name: str, obj: T, *, plugin: str = "?", distribution: str = "?") -> None:
         if name in self._entries:
@@ -41,6 +49,10 @@ class Registry(Generic[T]):
             )
         self._entries[name] = Entry(name, obj, plugin, distribution)
 
+    def remove(self, name: str) -> None:
+        """Take out an object refused after it was added (e.g. a clashing architecture)."""
+        del self._entries[name]
+
     def get(self, name: str) -> T:
         return self.entry(name).obj
 
@@ -48,7 +60,9 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownNameError(self.kind, name, self._entries) from None
+            raise UnknownNameError(
+                self.kind, name, self._entries, note=self.unavailable_note()
+            ) from None
 
     def names(self) -> list[str]:
         return list(self._entries)

@@ -13,19 +13,16 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ninfer_core.device import DeviceInfo
-from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
-from ninfer_core.plugin_host import EXTENSION_POINTS, PluginHost
+from ninfer_core.errors import UnsupportedChoiceError
+from ninfer_core.hookspecs import EXTENSION_POINTS, exclusive_points
+from ninfer_core.plugin_host import PluginHost
 from ninfer_core.support import Support
 
 Status = Literal["chosen", "available", "refused", "not chosen"]
 
-EXCLUSIVE = ("kernel_backends", "kv_codecs", "draft_strategies")
-#: The option that picks each exclusive point, for messages.
-OPTION_OF = {
-    "kernel_backends": "--gemm-backend",
-    "kv_codecs": "--kv-dtype",
-    "draft_strategies": "--spec",
-}
+#: The exclusive points and the option that picks each (from `hookspecs.EXTENSION_POINTS`).
+OPTION_OF = {p.point: p.option for p in exclusive_points()}
+EXCLUSIVE = tuple(OPTION_OF)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +69,7 @@ def choose(host: PluginHost, point: str, device: DeviceInfo, requested: str | No
     wanted: e.g. no `--spec`). A requested name that is unknown or refused raises.
     """
     registry = host.registries[point]
-    kind = EXTENSION_POINTS[point][1]
+    kind = EXTENSION_POINTS[point].kind
     checks = {e.name: (_check(e.obj, device), e) for e in registry.entries()}
     supported = [n for n, (s, _) in checks.items() if s.ok]
     chosen: str | None = None
@@ -81,7 +78,7 @@ def choose(host: PluginHost, point: str, device: DeviceInfo, requested: str | No
             chosen = _auto_pick(point, supported, checks, device)
         else:
             if requested not in checks:
-                raise UnknownNameError(kind, requested, checks)
+                registry.entry(requested)  # raises: the known names, and what failed to load
             support = checks[requested][0]
             if not support.ok:
                 others = [n for n in supported if n != requested]
@@ -111,8 +108,10 @@ def _auto_pick(point: str, supported: list[str], checks: dict, device: DeviceInf
     if point == "kv_codecs":
         preferred = default_kv_codec(device)
         return preferred if preferred in supported else supported[0]
-    # Highest priority wins; registration order breaks ties.
-    return max(supported, key=lambda n: getattr(checks[n][1].obj, "priority", 0))
+    if point == "kernel_backends":
+        # Highest priority wins; registration order breaks ties.
+        return max(supported, key=lambda n: checks[n][1].obj.priority)
+    return supported[0]  # registration order
 
 
 def _device_name(device: DeviceInfo) -> str:
@@ -121,14 +120,18 @@ def _device_name(device: DeviceInfo) -> str:
     return "the CPU"
 
 
-def probe(
-    host: PluginHost,
-    device: DeviceInfo,
-    *,
-    gemm_backend: str = "auto",
-    kv_dtype: str = "auto",
-    spec: str | None = None,
-) -> list[PointReport]:
-    """The whole selection, in the order `ninfer probe` prints it."""
-    requested = {"kernel_backends": gemm_backend, "kv_codecs": kv_dtype, "draft_strategies": spec}
-    return [choose(host, p, device, requested.get(p)) for p in EXTENSION_POINTS]
+def probe(host: PluginHost, device: DeviceInfo, **requested: str | None) -> list[PointReport]:
+    """The whole selection, in the order `ninfer probe` prints it.
+
+    `requested` maps each exclusive point's option, as an argparse destination
+    (`gemm_backend`, `kv_dtype`, `spec`), to the configured name; an absent one gets
+    its point's `default`.
+    """
+    dests = {p.dest for p in exclusive_points()}
+    unknown = set(requested) - dests
+    if unknown:
+        raise TypeError(f"probe() got unknown choices {sorted(unknown)}; known: {sorted(dests)}")
+    return [
+        choose(host, name, device, requested.get(p.dest or "", p.default))
+        for name, p in EXTENSION_POINTS.items()
+    ]

@@ -76,6 +76,12 @@ def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
 class HFFolderArtifact:
     """An opened Hugging Face model folder."""
 
+    # Optional `Artifact` members it does without: weights are dense tensors
+    # (`load_tensor`), every tensor in its stored dtype, sizes from the shapes.
+    load_weight = None
+    tensor_format = None
+    object_table = None
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._where: dict[str, Path] = {}

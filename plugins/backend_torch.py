@@ -185,10 +185,10 @@ def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: 
     the query and un-rotates the output, which for a decode step is two vectors per
     head instead of the whole context.
     """
-    rotation = getattr(kv_store, "rotation", None)
+    rotation = kv_store.rotation  # KVStore contract: None unless stored rotated
     if rotation is not None:
         k, v = kv_store.gather_heads(layer, table, length, rotated=True)
-    elif hasattr(kv_store, "gather_heads"):
+    elif kv_store.gather_heads is not None:  # optional: None means token-major only
         k, v = kv_store.gather_heads(layer, table, length)
     else:
         k, v = kv_store.gather(layer, table, length)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_core import ENTRY_POINT_GROUP, hookimpl
-from ninfer_core.errors import DuplicateNameError, NInferError, UnknownNameError
+from ninfer_core import ENTRY_POINT_GROUP, hookimpl, hookspec, hookspecs
+from ninfer_core.errors import DuplicateNameError, UnknownNameError
 from ninfer_core.plugin_host import EXTENSION_POINTS, create_host
 from ninfer_core.registry import Registry
 from ninfer_core.support import Support
@@ -49,6 +49,16 @@ class Codec:
         if device.cuda is None or device.cuda.sm_version < self.min_sm:
             return Support.no(f"needs SM{self.min_sm} or newer")
         return Support.yes()
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        return 4 * num_layers * num_kv_heads * head_dim
+
+    def allocate(self, layout, device, compute_dtype=None):
+        import torch
+
+        from ninfer_core.kv.plain import PlainKVStore
+
+        return PlainKVStore(layout, torch.float16, device, compute_dtype)
 
 
 def codec_plugin(*codecs: Codec) -> types.SimpleNamespace:
@@ -134,14 +144,55 @@ def test_unknown_architecture_lists_known_ones():
     assert "LlamaForCausalLM" in str(info.value)
 
 
-def test_check_pending_catches_a_misspelt_hook():
+def test_a_misspelt_hook_leaves_that_plugin_out_and_the_host_carries_on():
     @hookimpl
-    def register_kv_codec():  # missing the "s": matches no spec
+    def register_kv_codec():  # missing the "s": matches no spec (pluggy's check_pending)
         return []
 
     typo = types.SimpleNamespace(register_kv_codec=register_kv_codec)
-    with pytest.raises(NInferError, match="register_kv_codec"):
-        create_host(load_entry_points=False, extra_plugins=[("typo", typo)])
+    host = create_host(
+        load_entry_points=False,
+        extra_plugins=[("typo", typo), ("fine", codec_plugin(Codec("fine-codec")))],
+    )
+    [failure] = host.failures
+    assert failure.plugin == "typo" and failure.status == "broken"
+    assert "register_kv_codec" in failure.reason
+    assert "typo" not in {p.name for p in host.plugins}
+    assert not host.pm.has_plugin("typo")
+    assert host.kv_codecs.names() == ["fine-codec"]
+    # A name the broken plugin may have provided fails naming what was left out.
+    with pytest.raises(UnknownNameError, match=r"unknown KV codec 'typo-codec'.*'typo'.*broken"):
+        host.kv_codecs.get("typo-codec")
+
+
+def test_a_hook_taking_an_argument_no_spec_has_is_reported():
+    @hookimpl
+    def register_kv_codecs(colour):  # pluggy refuses this at register()
+        return []
+
+    host = create_host(
+        load_entry_points=False,
+        extra_plugins=[("odd", types.SimpleNamespace(register_kv_codecs=register_kv_codecs))],
+    )
+    [failure] = host.failures
+    assert failure.plugin == "odd" and "colour" in failure.reason
+
+
+def test_a_raising_hook_is_that_plugins_failure_alone():
+    @hookimpl
+    def register_kv_codecs():
+        raise RuntimeError("no GPU here")
+
+    host = create_host(
+        load_entry_points=False,
+        extra_plugins=[
+            ("raises", types.SimpleNamespace(register_kv_codecs=register_kv_codecs)),
+            ("fine", codec_plugin(Codec("fine-codec"))),
+        ],
+    )
+    [failure] = host.failures
+    assert failure.plugin == "raises" and "RuntimeError: no GPU here" in failure.reason
+    assert host.kv_codecs.names() == ["fine-codec"]
 
 
 def test_malformed_object_is_reported_not_registered():
@@ -160,11 +211,52 @@ def test_malformed_object_is_reported_not_registered():
 def test_trace_switch_prints_every_registration_hook(capsys):
     create_host(trace=True)
     err = capsys.readouterr().err
-    for hook_name, _ in EXTENSION_POINTS.values():
-        if hook_name in ("register_draft_strategies", "register_frontends"):
+    for point in EXTENSION_POINTS.values():
+        if point.hook in ("register_draft_strategies", "register_frontends"):
             continue  # no built-in implements these yet
-        assert hook_name in err
-    assert "kv-plain" in err
+        assert point.hook in err
+    # pluggy's own tracing: the call and its result, under our prefix and attribution.
+    assert "[ninfer plugins]" in err
+    assert "register_kv_codecs [hook]" in err
+    assert "finish register_kv_codecs --> [[PlainKVCodec(fp16)" in err
+    assert "register_kv_codecs from plugin 'kv-plain'" in err
+
+
+def test_trace_env_variable_turns_pluggy_tracing_on(monkeypatch, capsys):
+    monkeypatch.setenv("NINFER_TRACE_PLUGINS", "1")
+    create_host(load_entry_points=False, extra_plugins=[("toy", codec_plugin(Codec("t")))])
+    assert "finish register_kv_codecs -->" in capsys.readouterr().err
+    monkeypatch.setenv("NINFER_TRACE_PLUGINS", "0")
+    create_host(load_entry_points=False, extra_plugins=[("toy", codec_plugin(Codec("t")))])
+    assert "register_kv_codecs" not in capsys.readouterr().err
+
+
+def test_a_spec_can_grow_an_argument_without_breaking_plugins(monkeypatch):
+    """Hooks are called by keyword: an implementation of the old, argument-less spec
+    keeps working next to one that takes the new argument."""
+    seen = []
+
+    @hookspec
+    def register_kv_codecs(device_hint):  # the spec, grown by one argument
+        """Return KV codecs."""
+
+    @hookimpl(specname="register_kv_codecs")
+    def grown(device_hint):
+        seen.append(device_hint)
+        return [Codec("new-style")]
+
+    monkeypatch.setattr(hookspecs, "register_kv_codecs", register_kv_codecs)
+    host = create_host(
+        load_entry_points=False,
+        extra_plugins=[
+            ("old", codec_plugin(Codec("old-style"))),
+            ("new", types.SimpleNamespace(grown=grown)),
+        ],
+        hook_arguments={"device_hint": "cpu"},
+    )
+    assert not host.failures
+    assert host.kv_codecs.names() == ["old-style", "new-style"]
+    assert seen == ["cpu"]
 
 
 def test_draft_strategies_and_frontends_fold_into_their_registries():
@@ -175,13 +267,20 @@ def test_draft_strategies_and_frontends_fold_into_their_registries():
         def supports(self, device) -> Support:
             return Support.yes()
 
+    class Api(Named):
+        error_paths = ()  # errors keep the core shape
+        error_body = None
+
+        def route_handlers(self, app_state) -> list:
+            return []
+
     @hookimpl
     def register_draft_strategies():
         return [Named("echo-draft")]
 
     @hookimpl
     def register_frontends():
-        return [Named("echo-api")]
+        return [Api("echo-api")]
 
     plugin = types.SimpleNamespace(
         register_draft_strategies=register_draft_strategies, register_frontends=register_frontends
@@ -190,3 +289,29 @@ def test_draft_strategies_and_frontends_fold_into_their_registries():
     assert host.draft_strategies.names() == ["echo-draft"]
     assert host.frontends.names() == ["echo-api"]
     assert host.draft_strategies.entry("echo-draft").plugin == "echo"
+
+
+def test_every_extension_point_has_a_registry_and_a_row():
+    host = create_host(load_entry_points=False)
+    assert list(host.registries) == list(EXTENSION_POINTS)
+    for name, point in EXTENSION_POINTS.items():
+        assert point.point == name and point.hook == f"register_{name}"
+        assert host.registry(name) is host.registries[name]
+        assert point.exclusive == (point.option is not None)
+
+
+def test_a_family_claiming_a_built_in_architecture_is_refused_not_fatal():
+    from plugins.model_dense import DenseFamily
+
+    @hookimpl
+    def register_model_families():
+        return [DenseFamily("my-qwen", ("Qwen3ForCausalLM",), True, "a clashing family")]
+
+    plugin = types.SimpleNamespace(register_model_families=register_model_families)
+    host = create_host(extra_plugins=[("clash", plugin)])
+    [failure] = [f for f in host.failures if f.plugin == "clash"]
+    assert failure.status == "refused"
+    assert "'my-qwen' claims architecture 'Qwen3ForCausalLM'" in failure.reason
+    assert "'qwen3'" in failure.reason
+    assert "my-qwen" not in host.model_families
+    assert host.family_for("Qwen3ForCausalLM").name == "qwen3"

@@ -31,6 +31,12 @@ class Fp8LikeCodec:
             return Support.no(f"needs SM89 or newer, found SM{device.cuda.sm_version}")
         return Support.yes()
 
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim
+
+    def allocate(self, layout, device, compute_dtype=None):
+        raise NotImplementedError("never allocated: this test codec only answers supports()")
+
 
 @hookimpl
 def register_kv_codecs():

@@ -14,9 +14,8 @@ import torch
 from checkpoints import open_checkpoint, write_tiny_llama, write_tiny_qwen3
 
 from ninfer_core.device import probe_device
-from ninfer_core.engine import BlockManager, ModelRunner, Sequence
+from ninfer_core.engine import RuntimeSpec, Sequence, assemble_runtime
 from ninfer_core.errors import ModelLoadError
-from ninfer_core.kv import KVLayout
 from ninfer_core.model.weights import weight_plan
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.recipes import recipe
@@ -41,6 +40,9 @@ class QuantArtifact:
     """An HF folder seen as a quantized container: `load_weight` gives what `recipe`
     says (a QuantizedTensor or a dense tensor); `dequantized=True` instead serves every
     tensor densely with the quantized values (the comparison model), no `load_weight`."""
+
+    # Optional `Artifact` members (see ninfer_core.plugin_types), declared at their defaults.
+    tensor_file = load_weight = tensor_format = object_table = None
 
     def __init__(self, path, recipe_name: str, *, dequantized: bool = False, override=None):
         self._inner = open_checkpoint(path)
@@ -80,9 +82,8 @@ def build(artifact, dtype=torch.float32, num_blocks=24):
     model = family.build(config, ops, dtype)
     family.load_weights(model, artifact)
     model.pack_weights()
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK, num_blocks)
-    store = CODECS[KV[dtype]].allocate(layout, ops.device, compute_dtype=dtype)
-    return ModelRunner(model, store, BlockManager(num_blocks, BLOCK)), model
+    spec = RuntimeSpec(num_blocks, BLOCK)
+    return assemble_runtime(model, config, dtype, CODECS[KV[dtype]], spec).runner, model
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:

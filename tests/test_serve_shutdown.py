@@ -25,6 +25,7 @@ from serve_fixtures import (
 )
 
 from ninfer_core import hookimpl
+from ninfer_core.plugin_types import Frontend
 from ninfer_core.serve.config import ConnectionLimits
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.shutdown import SHUTTING_DOWN
@@ -37,8 +38,9 @@ MESSAGE = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
 LONG = {"max_tokens": 1500, "ignore_eos": True}
 
 
-class Stuck:
-    """A route that never answers by itself (like a request busy outside the engine)."""
+class Stuck(Frontend):
+    """A route that never answers by itself (like a request busy outside the engine); the
+    protocol's defaults for its optional members (no error paths of its own)."""
 
     name = "stuck"
     description = "a test frontend with a route that waits forever"

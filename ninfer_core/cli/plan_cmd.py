@@ -54,9 +54,9 @@ def _packed_bytes(
 ) -> PackedBytes | None:
     """What the kernel backend packs each projection into, or None: it repacks nothing.
 
-    Asked of the backend itself (`packed_nbytes`, from shapes alone; a backend without
-    it is probed with a 1x1 dense weight); only on the CPU, where packing happens and
-    asking touches no GPU.
+    Asked of the backend itself (`packed_nbytes`, from shapes alone; a backend whose
+    `packed_nbytes` is None is probed with a 1x1 dense weight); only on the CPU, where
+    packing happens and asking touches no GPU.
     """
     from ninfer_core.quant.formats import weight_format
     from ninfer_core.selection import choose
@@ -67,7 +67,7 @@ def _packed_bytes(
     if chosen is None:
         return None
     ops = host.kernel_backends.get(chosen).create_ops(device)
-    sizer = getattr(ops, "packed_nbytes", None)
+    sizer = ops.packed_nbytes  # optional in the KernelOps contract
     if sizer is not None:
         return lambda fmt, shape: sizer(fmt, shape, dtype=dtype)
     weight = torch.zeros(1, 1, dtype=dtype)

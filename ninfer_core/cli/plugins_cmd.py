@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    host = create_host()
+    host = create_host(warn=False)  # failures are listed below
     provides: dict[str, list[str]] = {p.name: [] for p in host.plugins}
     for registry in host.registries.values():
         for entry in registry.entries():
@@ -31,8 +31,11 @@ def run(ns: argparse.Namespace) -> int:
         }
         for p in host.plugins
     ]
-    failed = [{"name": f.plugin, "distribution": f.distribution, "reason": f.reason}
-              for f in host.failures]  # fmt: skip
+    # "broken": the plugin is left out whole; "refused": one object it returned is.
+    failed = [
+        {"name": f.plugin, "distribution": f.distribution, "status": f.status, "reason": f.reason}
+        for f in host.failures
+    ]
     if ns.json:
         json.dump({"plugins": rows, "failures": failed}, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -42,5 +45,5 @@ def run(ns: argparse.Namespace) -> int:
         for item in r["provides"]:
             print(f"    {item}")
     for f in failed:
-        print(f"{f['name']:<18} {f['distribution']}  FAILED: {f['reason']}")
+        print(f"{f['name']:<18} {f['distribution']}  {f['status'].upper()}: {f['reason']}")
     return 0

@@ -7,6 +7,7 @@ import json
 import sys
 
 from ninfer_core.device import DEVICE_SPECS, probe_device, simulated_device
+from ninfer_core.hookspecs import exclusive_points
 from ninfer_core.plugin_host import create_host
 from ninfer_core.selection import probe
 
@@ -21,20 +22,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help=f"simulate a device: {', '.join(DEVICE_SPECS)}",
     )
-    p.add_argument("--gemm-backend", default="auto", help="as ninfer-serve would be given")
-    p.add_argument("--kv-dtype", default="auto", help="as ninfer-serve would be given")
-    p.add_argument("--spec", default=None, help="draft strategy, as ninfer-serve would be given")
+    for point in exclusive_points():  # --gemm-backend, --kv-dtype, --spec
+        text = f"{point.kind}, as ninfer-serve would be given"
+        p.add_argument(point.option, default=point.default, help=text)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
     device = simulated_device(ns.device_spec) if ns.device_spec else probe_device()
-    host = create_host()
-    reports = probe(host, device, gemm_backend=ns.gemm_backend, kv_dtype=ns.kv_dtype, spec=ns.spec)
+    host = create_host(warn=False)  # failures are listed below
+    requested = {p.dest: getattr(ns, p.dest) for p in exclusive_points() if p.dest}
+    reports = probe(host, device, **requested)
     kv_bytes = _kv_bytes_per_token(host, ns.model) if ns.model else {}
-    failures = [{"plugin": f.plugin, "distribution": f.distribution, "reason": f.reason}
-                for f in host.failures]  # fmt: skip
+    failures = [
+        {"plugin": f.plugin, "distribution": f.distribution, "status": f.status, "reason": f.reason}
+        for f in host.failures
+    ]
     if ns.json:
         out = {
             "device": device.to_json(),
@@ -57,7 +61,8 @@ def run(ns: argparse.Namespace) -> int:
             size = f" {kv_bytes[c.name]} B/token" if c.name in kv_bytes else ""
             print(f"  {c.status:<10} {c.name:<16} [{c.distribution}]{size}{reason}")
     for f in failures:
-        print(f"\nplugin {f['plugin']} ({f['distribution']}) not loaded: {f['reason']}")
+        what = "not loaded" if f["status"] == "broken" else "refused an object"
+        print(f"\nplugin {f['plugin']} ({f['distribution']}) {what}: {f['reason']}")
     return 0
 
 

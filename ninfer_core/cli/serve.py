@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.cli.plan_cmd import make_plan
 from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import thread_summary
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.errors import NInferError
 from ninfer_core.memory.planner import MemoryConfig
@@ -232,7 +233,7 @@ def load_state(
         options=options,
     )
     print(memory_plan(state, loaded, host))
-    print(f"threads {torch.get_num_threads()} (torch intra-op, --threads)", flush=True)
+    print(thread_summary(), flush=True)
     return state
 
 
@@ -240,11 +241,7 @@ def memory_plan(state: ServeState, loaded: LoadedModel, host: PluginHost) -> str
     """The memory plan: weights, and the KV pool every sequence shares."""
     engine, cfg = state.engine, loaded.config
     model = loaded.model
-    weights = (
-        model.weight_bytes()
-        if hasattr(model, "weight_bytes")
-        else sum(p.numel() * p.element_size() for p in model.parameters())
-    )
+    weights = model.weight_bytes()
     codec = host.kv_codecs.get(engine.kv_codec)
     pages, page = engine.block_manager.num_blocks, engine.block_manager.block_size
     per_token = codec.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

@@ -16,6 +16,9 @@ class PlainKVStore:
     padded block-table entries point at page 0, and masked-out keys must stay finite.
     """
 
+    #: K and V are stored as given (the `KVStore` contract's default).
+    rotation = None
+
     def __init__(
         self,
         layout: KVLayout,
@@ -46,9 +49,15 @@ class PlainKVStore:
         self._v_flat[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
     def gather_heads(
-        self, layer: int, block_table: torch.Tensor, length: int | None = None
+        self,
+        layer: int,
+        block_table: torch.Tensor,
+        length: int | None = None,
+        *,
+        rotated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read pages back head-major. block_table: [nb] or [B, nb] -> [(B,) Hkv, L, D].
+        (`rotated` changes nothing: this store keeps K and V as given.)
 
         `length` (a host int, so no device sync) trims the token axis; pages are
         read whole, which is why padded table entries must name a real page.

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from ninfer_core.engine.attention_meta import AttentionMetadata
+    from ninfer_core.plugin_types import PackedSizer
 
 
 #: Decode lengths per doubling of the context (see `decode_length`).
@@ -53,6 +54,9 @@ class KernelOps:
 
     #: Short backend name, for logs and `ninfer probe`.
     name: str = "abstract"
+    #: Optional (`ninfer_core.plugin_types.KernelOps`): bytes `pack_linear` would hold
+    #: for a weight, from its format and shape alone. None: `ninfer plan` packs a probe.
+    packed_nbytes: PackedSizer | None = None
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         #: Where the model's parameters and activations live.

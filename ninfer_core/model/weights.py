@@ -97,8 +97,7 @@ def check_weights(config: ModelConfig, artifact: Artifact) -> list[WeightSlot]:
         found = tuple(artifact.tensor_shape(slot.hf_name))
         if found != slot.shape:
             # Name the shard when the reader can tell which file holds the tensor.
-            where = getattr(artifact, "tensor_file", None)
-            file = where(slot.hf_name) if where else artifact.path
+            file = artifact.tensor_file(slot.hf_name) if artifact.tensor_file else artifact.path
             raise ModelLoadError(
                 f"{file}: tensor {slot.hf_name!r} has shape {_fmt(found)}, "
                 f"expected {_fmt(slot.shape)}"
@@ -112,7 +111,7 @@ def load_weights(model: torch.nn.Module, artifact: Artifact) -> None:
     model's dtype and installing quantized matrices as they are."""
     plan = check_weights(model.config, artifact)
     params = dict(model.named_parameters())
-    load = getattr(artifact, "load_weight", None) or artifact.load_tensor
+    load = artifact.load_weight or artifact.load_tensor  # optional: None means dense
     groups: dict[str, list[WeightSlot]] = {}
     for slot in plan:
         groups.setdefault(slot.param, []).append(slot)

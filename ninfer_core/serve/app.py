@@ -28,6 +28,7 @@ from litestar.types import Scope, Send
 
 from ninfer_core import __version__
 from ninfer_core.plugin_host import PluginHost
+from ninfer_core.plugin_types import Frontend
 from ninfer_core.serve.auth import NO_AUTH, ApiKeyMiddleware
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.limits import BodyLimitMiddleware
@@ -63,12 +64,13 @@ class ErrorShapes:
         self._owners: dict[str, tuple[str, ErrorBody]] = {}
 
     @classmethod
-    def from_frontends(cls, frontends: Iterable[Any]) -> ErrorShapes:
+    def from_frontends(cls, frontends: Iterable[Frontend]) -> ErrorShapes:
         shapes = cls()
         for frontend in frontends:
-            render = getattr(frontend, "error_body", None)
-            for prefix in getattr(frontend, "error_paths", ()) if render else ():
-                shapes.add(prefix, frontend.name, render)
+            if frontend.error_body is None:  # the contract's default: the core shape
+                continue
+            for prefix in frontend.error_paths:
+                shapes.add(prefix, frontend.name, frontend.error_body)
         return shapes
 
     def add(self, prefix: str, owner: str, render: ErrorBody) -> None:

@@ -1,9 +1,9 @@
 """`toy-int16`: an example KV codec living outside NInfer.
 
 Keys and values are stored as int16 codes with one fp32 scale per (token, head):
-`code = round(x / scale)`, `scale = max|x| / 32767`. It implements the same store
-interface as NInfer's built-in codecs (`write`, `gather`), so the attention kernels
-use it unchanged.
+`code = round(x / scale)`, `scale = max|x| / 32767`. It keeps the same contract
+as NInfer's built-in codecs (`ninfer_core.plugin_types.KVCodec` and `KVStore`), so
+the attention kernels use it unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ QMAX = 32767
 
 class Int16KVStore:
     """Per layer: codes [NB, BS, Hkv, D] int16 and scales [NB, BS, Hkv, 1] fp32."""
+
+    # Optional members of NInfer's `KVStore` contract this store does without: no
+    # head-major gather (attention transposes `gather`'s output), no rotation.
+    gather_heads = None
+    rotation = None
 
     def __init__(self, layout, device, compute_dtype: torch.dtype) -> None:
         self.layout = layout
@@ -70,8 +75,9 @@ class ToyInt16Codec:
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         return 2 * num_layers * num_kv_heads * (2 * head_dim + 4)
 
-    def allocate(self, layout, device, compute_dtype: torch.dtype = torch.float32):
-        return Int16KVStore(layout, device, compute_dtype)
+    def allocate(self, layout, device, compute_dtype: torch.dtype | None = None):
+        """`gather` returns `compute_dtype` (None: float32)."""
+        return Int16KVStore(layout, device, compute_dtype or torch.float32)
 
 
 @hookimpl
