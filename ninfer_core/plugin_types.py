@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     import torch
 
     from ninfer_core.device import DeviceInfo
-    from ninfer_core.engine.attention_meta import AttentionMetadata
     from ninfer_core.kv.hadamard import HeadRotation
     from ninfer_core.kv.layout import KVLayout
+    from ninfer_core.model.attention_meta import AttentionMetadata
     from ninfer_core.model.config import ModelConfig
     from ninfer_core.serve.errors import ApiError
     from ninfer_core.support import Support

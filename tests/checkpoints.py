@@ -120,8 +120,8 @@ def load_reference(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
 
 
 def open_checkpoint(path: str | Path):
-    """The folder through our real reader (`plugins.artifact_safetensors`)."""
-    from plugins.artifact_safetensors import open_hf_folder
+    """The folder through our real reader (`ninfer_plugins.artifact_safetensors`)."""
+    from ninfer_plugins.artifact_safetensors import open_hf_folder
 
     return open_hf_folder(path)
 

@@ -16,8 +16,8 @@ import torch
 from checkpoints import write_tiny_qwen3
 from text_fixtures import QWEN3_STYLE_TEMPLATE, reference_tokenizer, write_model_dir
 
-import plugins.frontend_anthropic as frontend_anthropic
-import plugins.frontend_openai as frontend_openai
+import ninfer_plugins.frontend_anthropic as frontend_anthropic
+import ninfer_plugins.frontend_openai as frontend_openai
 from ninfer_core.cli.serve import ServerThread
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import probe_device
@@ -106,7 +106,7 @@ def wait_for(condition: Callable[[], object], timeout: float = 20.0) -> None:
 SERVE_SHIM = """
 import sys
 import ninfer_core.plugin_host as ph
-import plugins.frontend_openai as fo
+import ninfer_plugins.frontend_openai as fo
 real = ph.create_host
 def create_host(**kw):
     host = real(**kw)

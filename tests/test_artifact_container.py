@@ -21,8 +21,8 @@ from ninfer_core.errors import ArtifactError
 from ninfer_core.loading import load_model, open_artifact
 from ninfer_core.plugin_host import create_host
 from ninfer_core.quant.formats import FORMATS
-from plugins.artifact_ninfer import NinferContainerReader, register_artifact_readers
-from plugins.artifact_safetensors import open_hf_folder
+from ninfer_plugins.artifact_ninfer import NinferContainerReader, register_artifact_readers
+from ninfer_plugins.artifact_safetensors import open_hf_folder
 
 IDENTITY = {"model_id": "tiny/qwen3", "weights_id": "sha256:0123"}
 RECIPE = {"name": "mixed", "formats": {"q4": "Q4G64", "w8": "W8G32"}}

@@ -24,7 +24,7 @@ from ninfer_core.model.weight_budget import check_weights_fit, planned_weights
 from ninfer_core.safe_json import JSONLimitError, loads_limited
 from ninfer_core.text.chat_template import ChatTemplate
 from ninfer_core.text.generation_config import GenerationDefaults
-from plugins.model_dense import register_model_families
+from ninfer_plugins.model_dense import register_model_families
 
 GOOD = {
     "architectures": ["Qwen3ForCausalLM"],

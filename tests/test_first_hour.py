@@ -26,12 +26,12 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def _runtime_imports() -> set[str]:
-    """Top-level modules that ninfer_core/ and plugins/ import at module level, plus numpy
+    """Top-level modules that ninfer_core/ and ninfer_plugins/ import at module level, plus numpy
     wherever a tensor is turned into an array (torch needs numpy for `.numpy()`)."""
     found: set[str] = set()
     for path in [
         *ROOT.joinpath("ninfer_core").rglob("*.py"),
-        *ROOT.joinpath("plugins").rglob("*.py"),
+        *ROOT.joinpath("ninfer_plugins").rglob("*.py"),
     ]:
         source = path.read_text()
         tree = ast.parse(source)
@@ -42,7 +42,7 @@ def _runtime_imports() -> set[str]:
                 found.add(node.module.split(".")[0])
         if ".numpy()" in source:
             found.add("numpy")
-    return found - set(sys.stdlib_module_names) - {"ninfer_core", "plugins", "__future__"}
+    return found - set(sys.stdlib_module_names) - {"ninfer_core", "ninfer_plugins", "__future__"}
 
 
 def test_every_runtime_import_is_a_declared_dependency():

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from checkpoints import open_checkpoint, write_tiny_qwen3
 
-import plugins.kv_fp8
-import plugins.kv_int8
-import plugins.kv_rk8v4
+import ninfer_plugins.kv_fp8
+import ninfer_plugins.kv_int8
+import ninfer_plugins.kv_rk8v4
 from ninfer_core.bench.agreement import logit_agreement, rel_rms
 from ninfer_core.device import probe_device, simulated_device
 from ninfer_core.engine import ModelRunner, RuntimeSpec, Sequence, assemble_runtime
@@ -27,14 +27,14 @@ from ninfer_core.kv.hadamard import HeadRotation, hadamard, hadamard_block
 from ninfer_core.kv.quant import FP8, INT4, INT8, group_size
 from ninfer_core.plugin_host import PluginHost, create_host
 from ninfer_core.selection import choose
-from plugins.backend_torch import register_kernel_backends
-from plugins.model_dense import register_model_families
+from ninfer_plugins.backend_torch import register_kernel_backends
+from ninfer_plugins.model_dense import register_model_families
 
 #: Our plugin modules, under the entry-point names the lead adds to pyproject.toml.
 EXTRA_PLUGINS = [
-    ("kv-int8", plugins.kv_int8),
-    ("kv-rk8v4", plugins.kv_rk8v4),
-    ("kv-fp8", plugins.kv_fp8),
+    ("kv-int8", ninfer_plugins.kv_int8),
+    ("kv-rk8v4", ninfer_plugins.kv_rk8v4),
+    ("kv-fp8", ninfer_plugins.kv_fp8),
 ]
 
 
@@ -388,8 +388,8 @@ def test_fp8_is_accepted_on_sm89_and_emulated_on_the_cpu():
 
 
 def test_register_kv_codecs_of_the_quantized_plugins():
-    names = [c.name for m in (plugins.kv_int8, plugins.kv_rk8v4, plugins.kv_fp8)
-             for c in m.register_kv_codecs()]  # fmt: skip
+    modules = (ninfer_plugins.kv_int8, ninfer_plugins.kv_rk8v4, ninfer_plugins.kv_fp8)
+    names = [c.name for m in modules for c in m.register_kv_codecs()]
     assert names == ["int8", "rk8v4", "fp8"] and set(names) <= set(CODECS)
 
 

@@ -142,7 +142,7 @@ def test_artifact_readers_come_from_register_artifact_readers(good_dir):
 
         def open(self, path: Path):
             opened.append(path)
-            from plugins.artifact_safetensors import open_hf_folder
+            from ninfer_plugins.artifact_safetensors import open_hf_folder
 
             return open_hf_folder(path)
 

@@ -20,16 +20,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ninfer_core.engine.attention_meta import AttentionMetadata
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.memory.planner import MIB
+from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import decode_length, decode_length_count
 from ninfer_core.sampling import SamplingParams
-from plugins.backend_torch import _decode_one
+from ninfer_plugins.backend_torch import _decode_one
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -388,7 +388,7 @@ def test_plan_cli_refuses_fp8_on_sm86_in_one_line(qwen3_8b_folder, capsys):
 
 
 def test_plan_cli_on_the_cpu_counts_a_packed_tied_head(tiny_folder, capsys, host):
-    from plugins.backend_torch import TorchOps
+    from ninfer_plugins.backend_torch import TorchOps
 
     args = ["plan", str(tiny_folder), "--device-spec", "cpu", "--dtype", "bf16", "--json",
             "--max-context", "256", "--memory-budget", "1"]  # fmt: skip

@@ -21,7 +21,7 @@ from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.tensor import quantize
-from plugins.backend_torch import _INT4_CPU, Int4Linear, TorchOps
+from ninfer_plugins.backend_torch import _INT4_CPU, Int4Linear, TorchOps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

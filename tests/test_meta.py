@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ninfer_core
-import plugins
+import ninfer_plugins
 from ninfer_core import conformance, hookspecs, plugin_types
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_docs_state_the_members_every_object_shares():
 
 
 def all_modules():
-    for pkg in (ninfer_core, plugins):
+    for pkg in (ninfer_core, ninfer_plugins):
         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             yield info.name
 

@@ -24,9 +24,9 @@ from ninfer_core.device import CudaInfo, probe_device
 from ninfer_core.engine import BlockManager, RuntimeSpec, Sequence, assemble_runtime
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.kv import KVLayout
-from plugins.backend_torch import register_kernel_backends
-from plugins.kv_plain import register_kv_codecs
-from plugins.model_dense import register_model_families
+from ninfer_plugins.backend_torch import register_kernel_backends
+from ninfer_plugins.kv_plain import register_kv_codecs
+from ninfer_plugins.model_dense import register_model_families
 
 TOL = 1e-4
 BLOCK = 16

@@ -301,7 +301,7 @@ def test_every_extension_point_has_a_registry_and_a_row():
 
 
 def test_a_family_claiming_a_built_in_architecture_is_refused_not_fatal():
-    from plugins.model_dense import DenseFamily
+    from ninfer_plugins.model_dense import DenseFamily
 
     @hookimpl
     def register_model_families():

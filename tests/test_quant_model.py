@@ -20,10 +20,10 @@ from ninfer_core.model.weights import weight_plan
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.recipes import recipe
 from ninfer_core.quant.tensor import QuantizedTensor, quantize
-from plugins import backend_torch
-from plugins.backend_torch import Int4Linear, register_kernel_backends
-from plugins.kv_plain import register_kv_codecs
-from plugins.model_dense import register_model_families
+from ninfer_plugins import backend_torch
+from ninfer_plugins.backend_torch import Int4Linear, register_kernel_backends
+from ninfer_plugins.kv_plain import register_kv_codecs
+from ninfer_plugins.model_dense import register_model_families
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,7 +17,7 @@ from ninfer_core.device import probe_device
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.quant.tensor import quantize
-from plugins.backend_torch import _INT4_CPU, Int4Linear, int4_layout_known, unpack_int4pack
+from ninfer_plugins.backend_torch import _INT4_CPU, Int4Linear, int4_layout_known, unpack_int4pack
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),

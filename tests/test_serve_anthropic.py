@@ -26,14 +26,14 @@ from litestar import Litestar
 from serve_fixtures import MODEL_ID, make_state, write_serve_model
 from tokenizers import Tokenizer as ReferenceTokenizer
 
-import plugins.frontend_anthropic as plugin
+import ninfer_plugins.frontend_anthropic as plugin
 from ninfer_core.engine.request import OverloadedError
 from ninfer_core.plugin_host import create_host
 from ninfer_core.plugin_types import Frontend
 from ninfer_core.serve.app import create_app
 from ninfer_core.serve.errors import ApiError
-from plugins.frontend_anthropic import AnthropicFrontend, register_frontends
-from plugins.frontend_anthropic.blocks import BlockAssembler
+from ninfer_plugins.frontend_anthropic import AnthropicFrontend, register_frontends
+from ninfer_plugins.frontend_anthropic.blocks import BlockAssembler
 
 WEATHER = {
     "name": "get_weather",

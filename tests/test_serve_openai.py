@@ -17,7 +17,7 @@ import pytest
 from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
 from text_fixtures import WEATHER_TOOL
 
-import plugins.frontend_openai as frontend_openai
+import ninfer_plugins.frontend_openai as frontend_openai
 from ninfer_core.cli.main import main as ninfer_main
 from ninfer_core.plugin_host import create_host
 

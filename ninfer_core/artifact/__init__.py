@@ -1,6 +1,6 @@
 """The `.ninfer` container (versions 1, 2, 3): layout, writer and reader.
 
-Spec: `docs/artifact-format.md`. The reader plugin is `plugins/artifact_ninfer.py`.
+Spec: `docs/artifact-format.md`. The reader plugin is `ninfer_plugins/artifact_ninfer.py`.
 Importing this package is cheap; the submodules import torch.
 """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "AttentionMetadata": "ninfer_core.engine.attention_meta",
     "BlockManager": "ninfer_core.engine.block_manager",
     "OutOfBlocksError": "ninfer_core.engine.block_manager",
     "ModelRunner": "ninfer_core.engine.model_runner",

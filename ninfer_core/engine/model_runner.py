@@ -6,9 +6,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from ninfer_core.engine.attention_meta import AttentionMetadata
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.sequence import Sequence
+from ninfer_core.model.attention_meta import AttentionMetadata
 
 
 class ModelRunner:

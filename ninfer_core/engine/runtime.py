@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ninfer_core import conformance
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.model.config import ModelConfig
+from ninfer_core.plugin_types import KVStore
 
 if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
@@ -51,7 +53,7 @@ class Runtime:
     """What runs a model's steps: the codec's name, its store, the pages and the runner."""
 
     kv_codec: str
-    kv_store: Any
+    kv_store: KVStore
     block_manager: BlockManager
     runner: ModelRunner
 
@@ -94,14 +96,16 @@ def assemble_runtime(
 ) -> Runtime:
     """Wire `model` (built for `config`, computing in `dtype`) to a pool encoded by `codec`.
 
-    The store lives on the model's device, so the forward never copies K/V across devices.
-    The prefix cache's salt names the codec: pages encoded differently never share a key.
+    The store lives on the model's device, so the forward never copies K/V across devices;
+    it is checked against the `KVStore` contract before anything runs on it. The prefix
+    cache's salt names the codec: pages encoded differently never share a key.
     """
     name = name or codec.name
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
                       spec.block_size, spec.num_blocks)  # fmt: skip
     where = next(model.parameters()).device
     store = codec.allocate(layout, where, compute_dtype=dtype)
+    conformance.check(store, KVStore, f"the KV store codec {name!r} allocated")
     blocks = BlockManager(
         spec.num_blocks, spec.block_size, enable_prefix_cache=spec.prefix_cache,
         salt=f"kv-codec={name}",

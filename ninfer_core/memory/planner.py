@@ -29,6 +29,7 @@ from ninfer_core.config import opt
 from ninfer_core.errors import NInferError
 from ninfer_core.memory.workspace import Workspace
 from ninfer_core.model.config import ModelConfig
+from ninfer_core.plugin_types import Artifact
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.recipes import source_format
 
@@ -152,15 +153,17 @@ class _Param:
     stored: int  # bytes of its tensors as the artifact stores them
 
 
-def _params(config: ModelConfig, dtype: torch.dtype, artifact: Any) -> list[_Param]:
+def _params(config: ModelConfig, dtype: torch.dtype, artifact: Artifact | None) -> list[_Param]:
     """Every parameter with its fused shape; formats and stored sizes from the artifact
     (a `.ninfer` names each tensor's format and object size), else dense `dtype`."""
     from ninfer_core.model.weights import check_weights, weight_plan
 
     dense = source_format(dtype)
     slots = weight_plan(config) if artifact is None else check_weights(config, artifact)
-    fmt_of = getattr(artifact, "tensor_format", None)
-    table = getattr(artifact, "object_table", None)
+    # Optional members of the `Artifact` contract: declared by every artifact, None when
+    # the artifact has nothing to say (every tensor dense, sizes from shapes).
+    fmt_of = artifact.tensor_format if artifact is not None else None
+    table = artifact.object_table if artifact is not None else None
     sizes = {rec.name: rec.nbytes for rec in table()} if table else {}
     groups: dict[str, list] = {}
     for slot in slots:
@@ -184,7 +187,7 @@ def weights_bytes(
     config: ModelConfig,
     dtype: torch.dtype,
     *,
-    artifact: Any = None,
+    artifact: Artifact | None = None,
     packed_bytes: PackedBytes | None = None,
 ) -> int:
     """Bytes the runtime holds for the weights, as loaded and then packed.

@@ -14,7 +14,7 @@ from ninfer_core.model.rope import RotaryEmbedding
 from ninfer_core.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
-    from ninfer_core.engine.attention_meta import AttentionMetadata
+    from ninfer_core.model.attention_meta import AttentionMetadata
 
 
 class DenseDecoder(nn.Module):

@@ -16,7 +16,7 @@ from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import KernelOps
 
 if TYPE_CHECKING:
-    from ninfer_core.engine.attention_meta import AttentionMetadata
+    from ninfer_core.model.attention_meta import AttentionMetadata
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

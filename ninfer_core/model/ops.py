@@ -1,7 +1,7 @@
 """`KernelOps`: every tensor operation the model runtime calls through a kernel backend.
 
 The model never calls a kernel directly; it holds one `KernelOps` and calls these
-methods, so a backend (the torch reference in `plugins/backend_torch.py`, Triton,
+methods, so a backend (the torch reference in `ninfer_plugins/backend_torch.py`, Triton,
 CuPy) can replace any subset. Shapes use T = tokens in the step (all sequences
 flattened), H = query heads, Hkv = KV heads, D = head dim.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ninfer_core.engine.attention_meta import AttentionMetadata
+    from ninfer_core.model.attention_meta import AttentionMetadata
     from ninfer_core.plugin_types import PackedSizer
 
 

@@ -28,7 +28,7 @@ class OpenAIFrontend:
         return Support.yes()
 
     def route_handlers(self, state: ServeState) -> list[Any]:
-        from plugins.frontend_openai import chat, completions, models
+        from ninfer_plugins.frontend_openai import chat, completions, models
 
         return [
             *chat.route_handlers(state),
@@ -37,7 +37,7 @@ class OpenAIFrontend:
         ]
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
-        from plugins.frontend_openai.errors import error_body
+        from ninfer_plugins.frontend_openai.errors import error_body
 
         return error_body(error)
 

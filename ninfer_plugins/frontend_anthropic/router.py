@@ -12,10 +12,10 @@ from litestar import Router
 from litestar.di import Provide
 
 from ninfer_core.serve.state import ServeState
-from plugins.frontend_anthropic.context import Context
-from plugins.frontend_anthropic.count_tokens import count_tokens
-from plugins.frontend_anthropic.errors import EXCEPTION_HANDLERS
-from plugins.frontend_anthropic.messages import create_message
+from ninfer_plugins.frontend_anthropic.context import Context
+from ninfer_plugins.frontend_anthropic.count_tokens import count_tokens
+from ninfer_plugins.frontend_anthropic.errors import EXCEPTION_HANDLERS
+from ninfer_plugins.frontend_anthropic.messages import create_message
 
 
 def build_router(state: ServeState, *, ping_interval_s: float = 5.0) -> Router:

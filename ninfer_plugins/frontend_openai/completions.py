@@ -17,8 +17,8 @@ from litestar.params import JSONBody
 from ninfer_core.engine.request import FinishEvent, GenerationEvent
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
-from plugins.frontend_openai import wire
-from plugins.frontend_openai.common import (
+from ninfer_plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai.common import (
     check_model,
     collect,
     first_event,

@@ -7,7 +7,7 @@ from litestar.params import FromPath
 
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.state import ServeState
-from plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai import wire
 
 
 def route_handlers(state: ServeState) -> list:

@@ -35,12 +35,12 @@ class AnthropicFrontend:
         return Support.yes()  # plain HTTP: nothing here touches the device
 
     def route_handlers(self, app_state: ServeState) -> list[Any]:
-        from plugins.frontend_anthropic.router import build_router
+        from ninfer_plugins.frontend_anthropic.router import build_router
 
         return [build_router(app_state, ping_interval_s=self.ping_interval_s)]
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
-        from plugins.frontend_anthropic.errors import error_body
+        from ninfer_plugins.frontend_anthropic.errors import error_body
 
         return error_body(error.status, error.message, error.kind)
 

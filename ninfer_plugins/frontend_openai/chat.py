@@ -22,8 +22,8 @@ from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text.tool_calls import ToolCall
 from ninfer_core.text.tool_choice import call_opening, with_opening
-from plugins.frontend_openai import wire
-from plugins.frontend_openai.common import (
+from ninfer_plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai.common import (
     check_model,
     collect,
     first_event,
@@ -35,13 +35,13 @@ from plugins.frontend_openai.common import (
     sse,
     usage,
 )
-from plugins.frontend_openai.conversation import (
+from ninfer_plugins.frontend_openai.conversation import (
     forced_call,
     template_kwargs,
     template_messages,
     template_tools,
 )
-from plugins.frontend_openai.output import ChatOutput, Piece
+from ninfer_plugins.frontend_openai.output import ChatOutput, Piece
 
 
 def finish_reason(reason: str, calls: list[ToolCall]) -> str:

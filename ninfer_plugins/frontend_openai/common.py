@@ -18,8 +18,8 @@ from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
-from plugins.frontend_openai import wire
-from plugins.frontend_openai.errors import error_body
+from ninfer_plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai.errors import error_body
 
 #: Stop strings are checked against every new piece of text: their number and length are
 #: bounded so that one request cannot slow every other one's decode. No real client comes

@@ -13,9 +13,9 @@ from litestar import post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from plugins.frontend_anthropic import convert
-from plugins.frontend_anthropic.context import Context
-from plugins.frontend_anthropic.wire import CountTokensRequest
+from ninfer_plugins.frontend_anthropic import convert
+from ninfer_plugins.frontend_anthropic.context import Context
+from ninfer_plugins.frontend_anthropic.wire import CountTokensRequest
 
 
 @post("/messages/count_tokens", status_code=200, summary="Count a message's input tokens")

@@ -28,13 +28,13 @@ from ninfer_core.engine.request import FinishEvent, GenerationRequest, TokenEven
 from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
-from plugins.frontend_anthropic import convert
-from plugins.frontend_anthropic.blocks import BlockAssembler
-from plugins.frontend_anthropic.context import Context
-from plugins.frontend_anthropic.errors import error_body
-from plugins.frontend_anthropic.pump import TICK, EventPump
-from plugins.frontend_anthropic.usage import usage
-from plugins.frontend_anthropic.wire import MessagesRequest
+from ninfer_plugins.frontend_anthropic import convert
+from ninfer_plugins.frontend_anthropic.blocks import BlockAssembler
+from ninfer_plugins.frontend_anthropic.context import Context
+from ninfer_plugins.frontend_anthropic.errors import error_body
+from ninfer_plugins.frontend_anthropic.pump import TICK, EventPump
+from ninfer_plugins.frontend_anthropic.usage import usage
+from ninfer_plugins.frontend_anthropic.wire import MessagesRequest
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from ninfer_core.text.tool_choice import ForcedCall
-from plugins.frontend_openai import wire
-from plugins.frontend_openai.common import refuse
+from ninfer_plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai.common import refuse
 
 #: Template variables a request may not set through `chat_template_kwargs`.
 RESERVED_KWARGS = frozenset(

@@ -18,7 +18,7 @@ from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text import ChatTemplateError
 from ninfer_core.text.tool_choice import ForcedCall, call_opening, ends_in_thinking, with_opening
-from plugins.frontend_anthropic import wire
+from ninfer_plugins.frontend_anthropic import wire
 
 
 @dataclass

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from ninfer_core import hookimpl
 from ninfer_core.device import DeviceInfo
-from ninfer_core.engine.attention_meta import AttentionMetadata
 from ninfer_core.memory.heap import HeapTrimmer
+from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
 from ninfer_core.quant.tensor import QuantizedTensor

@@ -1,20 +1,33 @@
 """`AttentionMetadata`: what every attention layer needs to know about one step's batch.
 
 Built once per step on the host, before the layer loop, from the scheduled
-`(Sequence, n_new_tokens)` pairs; tokens of all sequences are flattened into one
+`(sequence, n_new_tokens)` pairs; tokens of all sequences are flattened into one
 varlen batch of T tokens. Host-side lists carry the sizes that shape tensors (so no
 layer has to read a device value back), device tensors carry the indices.
+
+It is the model's input, so it lives with the model: the engine builds it from its
+sequences (anything shaped like `PagedSequence`), and the model never imports the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ninfer_core.engine.sequence import Sequence
+
+class PagedSequence(Protocol):
+    """What `AttentionMetadata.build` reads of a sequence (the engine's `Sequence`)."""
+
+    seq_id: int
+    #: Tokens whose K/V are already in the pool; this step's run from here.
+    num_computed_tokens: int
+    #: The pool pages holding its tokens, in order.
+    block_table: list[int]
+
+    def __len__(self) -> int: ...
 
 
 @dataclass
@@ -52,13 +65,14 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        batch: Seq[tuple[Sequence, int]],
+        batch: Seq[tuple[PagedSequence, int]],
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Metadata for running `n` new tokens of each sequence after its computed ones.
 
-        Each sequence's `block_table` must already cover its context (see `BlockManager`).
+        Each sequence's `block_table` must already cover its context (the engine's
+        `BlockManager` sees to it).
         """
         query_lens, context_lens, slots, starts = [], [], [], [0]
         for seq, n in batch:
