@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ninfer_core.bench.artifact import ArtifactBenchConfig
 from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
@@ -145,6 +147,16 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> int:
+    """A bench's figures on stdout: JSON, or the bench's own table."""
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render(result))
+    return 0
+
+
 def run(ns: argparse.Namespace) -> int:
     from ninfer_core.bench.decode import run_bench
 
@@ -195,12 +207,7 @@ def run_artifact(ns: argparse.Namespace) -> int:
     _check(cfg)
     cfg.recipe_list()  # an unknown recipe fails before anything is converted
     result = run_bench(cfg, ns.model)
-    if cfg.as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    print(render(result))
-    return 0
+    return _emit(result, cfg.as_json, render)
 
 
 def _load(model: str | None, default, dtype: str):
@@ -297,12 +304,7 @@ def run_server_bench(ns: argparse.Namespace) -> int:
 
     module = importlib.import_module(ns.bench_module)
     result = module.run_bench(config_from_args(ns.bench_config, ns), ns.model)
-    if ns.as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    print(module.render(result))
-    return 0
+    return _emit(result, ns.as_json, module.render)
 
 
 def run_memory(ns: argparse.Namespace) -> int:
@@ -317,12 +319,7 @@ def run_memory(ns: argparse.Namespace) -> int:
     torch.set_num_threads(max(cfg.threads, 1))
     loaded, host, device = _load(ns.model, default_model, cfg.dtype)
     result = run_phases(loaded, host, device, cfg)
-    if cfg.as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    print(render(result))
-    return 0
+    return _emit(result, cfg.as_json, render)
 
 
 def run_threads(ns: argparse.Namespace) -> int:
@@ -330,9 +327,4 @@ def run_threads(ns: argparse.Namespace) -> int:
 
     cfg = config_from_args(ThreadsBenchConfig, ns)
     result = run_bench(cfg, ns.model)
-    if cfg.as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    print(render(result))
-    return 0
+    return _emit(result, cfg.as_json, render)
