@@ -119,9 +119,13 @@ def convert(
     from ninfer_core.quant.recipes import recipe
 
     plan = recipe(recipe_name)
-    src = open_artifact(create_host(), source)
-    if not hasattr(src, "tensor_file"):
+    # every artifact declares tensor_file (the contract's optional member), so the folder
+    # itself is what says "a Hugging Face model": a .ninfer file may hold packed codes
+    if not Path(source).exists():
+        raise ModelLoadError(f"{source}: no such file or folder")
+    if not Path(source).is_dir():
         raise ModelLoadError(f"{source}: convert reads Hugging Face model folders")
+    src = open_artifact(create_host(), source)
     out = Path(out)
     if out.resolve() == Path(source).resolve():
         raise NInferError(f"{out}: the output would overwrite the source")

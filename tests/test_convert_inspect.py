@@ -210,3 +210,14 @@ def test_inspect_refuses_a_name_with_a_lone_surrogate(tmp_path, capsys):
     writer = ContainerWriter(tmp_path / "w.ninfer", version=3)
     with pytest.raises(ValueError, match="lone surrogate"), writer as w:
         w.add_tensor("x\udc80", "fp32", (1,), torch.zeros(1))
+
+
+def test_convert_refuses_a_ninfer_file_as_its_source(tmp_path):
+    """A .ninfer file (here the built-in model, mixed recipe) is not a folder of source
+    weights: converting it again would read packed codes as weights."""
+    from ninfer_core.builtin_model import default_model
+    from ninfer_core.convert import convert
+    from ninfer_core.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="convert reads Hugging Face model folders"):
+        convert(default_model(), tmp_path / "again.ninfer", recipe_name="bf16")
