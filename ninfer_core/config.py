@@ -23,7 +23,14 @@ class RuntimeConfig:
 
     dtype: DType = opt("auto", "compute dtype; auto: bf16 on CPU, fp16 on CUDA")
     kv_dtype: str = opt("auto", "KV cache codec (see `ninfer probe`); auto: the compute dtype")
-    gemm_backend: str = opt("auto", "kernel backend (see `ninfer probe`); auto: best supported")
+    gemm_backend: str = opt(
+        "auto", "kernel backend for the ops it provides (see `ninfer probe`); auto: per op"
+    )
+    kernel: str | None = opt(
+        None,
+        "per-op kernel backends, e.g. linear=NAME,attention=NAME; ops: linear, attention, "
+        "rms_norm, rope, silu_and_mul",
+    )
     block_size: int = opt(16, "tokens per KV cache block")
     max_context: int = opt(4096, "longest sequence (prompt + output) in tokens")
     threads: int = opt(0, "CPU threads for torch; 0: one per available core")

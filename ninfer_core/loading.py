@@ -7,7 +7,7 @@ line naming the file and the problem, raised before any request is served.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,10 +16,10 @@ from ninfer_core import conformance
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.errors import ModelLoadError, UnknownNameError
+from ninfer_core.kernels.compose import OpChoice, backend_summary, compose_ops, plan_kernels
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.plugin_types import Artifact, CausalLM, KernelOps, ModelFamily
-from ninfer_core.selection import choose
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,8 +35,11 @@ class LoadedModel:
     model: CausalLM
     ops: KernelOps
     dtype: torch.dtype
+    #: The backend serving every op, or `op=name,...` when several do (see `kernels`).
     backend: str
     load_seconds: float
+    #: Which backend serves each op, and why (`ninfer_core.kernels.compose`).
+    kernels: list[OpChoice] = field(default_factory=list)
 
 
 def compute_dtype(name: str, device: DeviceInfo) -> torch.dtype:
@@ -101,11 +104,8 @@ def load_model(
     start = time.perf_counter()
     artifact = open_artifact(host, path)
     family, config = family_and_config(host, artifact)
-    backend_report = choose(host, "kernel_backends", device, runtime.gemm_backend)
-    if backend_report.chosen is None:
-        raise ModelLoadError("no kernel backend supports this device (see `ninfer probe`)")
-    ops = host.kernel_backends.get(backend_report.chosen).create_ops(device)
-    conformance.check(ops, KernelOps, f"the ops of kernel backend {backend_report.chosen!r}")
+    kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel)
+    ops = compose_ops(host, device, kernels)  # checked against the KernelOps contract
     dtype = compute_dtype(runtime.dtype, device)
     model = family.build(config, ops, dtype)
     conformance.check(model, CausalLM, f"the model built by family {family.name!r}")
@@ -120,6 +120,7 @@ def load_model(
         model=model,
         ops=ops,
         dtype=dtype,
-        backend=backend_report.chosen,
+        backend=backend_summary(kernels),
         load_seconds=time.perf_counter() - start,
+        kernels=kernels,
     )

@@ -106,6 +106,14 @@ class PackedSizer(Protocol):
         ...
 
 
+class ProvidesOps(Protocol):
+    def __call__(self, device: DeviceInfo) -> dict[str, Support]:
+        """Per op this backend provides (`ninfer_core.kernels.compose.OPS`: `linear`,
+        `attention`, `rms_norm`, `rope`, `silu_and_mul`), whether it can serve it on
+        `device`, with the reason; an op left out is not provided."""
+        ...
+
+
 class ErrorBody(Protocol):
     def __call__(self, error: ApiError) -> dict[str, Any]:
         """The JSON body of `error` in this frontend's protocol shape."""
@@ -319,8 +327,14 @@ class KernelBackend(Plugin, Protocol):
     priority: int
 
     def create_ops(self, device: DeviceInfo) -> KernelOps:
-        """The ops object handed to the model."""
+        """The ops object the host takes each op this backend serves from. A backend
+        that provides only some ops needs only their members (see `provides`)."""
         ...
+
+    #: None: every op, wherever `supports` says yes. Otherwise the ops it provides, each
+    #: with a `Support`; every other op comes from the next backend that provides it,
+    #: and finally from the core's reference (`ninfer_core.kernels.reference`).
+    provides: ProvidesOps | None = None
 
 
 # --------------------------------------------------------------------------

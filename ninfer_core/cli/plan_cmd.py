@@ -50,7 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _packed_bytes(
-    host: PluginHost, device: DeviceInfo, backend: str, dtype: torch.dtype
+    host: PluginHost,
+    device: DeviceInfo,
+    backend: str,
+    dtype: torch.dtype,
+    kernel: str | None = None,
 ) -> PackedBytes | None:
     """What the kernel backend packs each projection into, or None: it repacks nothing.
 
@@ -58,20 +62,23 @@ def _packed_bytes(
     `packed_nbytes` is None is probed with a 1x1 dense weight); only on the CPU, where
     packing happens and asking touches no GPU.
     """
+    from ninfer_core.kernels.compose import plan_kernels
+    from ninfer_core.kernels.reference import TorchOps
     from ninfer_core.quant.formats import weight_format
-    from ninfer_core.selection import choose
 
     if device.cuda is not None:
         return None
-    chosen = choose(host, "kernel_backends", device, backend).chosen
-    if chosen is None:
-        return None
-    ops = host.kernel_backends.get(chosen).create_ops(device)
-    sizer = ops.packed_nbytes  # optional in the KernelOps contract
+    [linear] = [c for c in plan_kernels(host, device, backend, kernel) if c.op == "linear"]
+    if linear.backend in host.kernel_backends:
+        ops = host.kernel_backends.get(linear.backend).create_ops(device)
+    else:  # the core's reference, with no `torch` backend registered
+        ops = TorchOps(device.torch_device)
+    sizer = getattr(ops, "packed_nbytes", None)  # optional; a partial backend may omit it
     if sizer is not None:
         return lambda fmt, shape: sizer(fmt, shape, dtype=dtype)
     weight = torch.zeros(1, 1, dtype=dtype)
-    if ops.pack_linear(weight) is weight:
+    pack = getattr(ops, "pack_linear", None)
+    if pack is None or pack(weight) is weight:
         return None
     return lambda fmt, shape: (
         None if weight_format(fmt).quantized else shape[0] * shape[1] * dtype.itemsize
@@ -105,7 +112,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     artifact = open_artifact(host, path)
     _, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
-    packed = _packed_bytes(host, device, runtime.gemm_backend, dtype)
+    packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel)
     context = engine.context_for(config.max_position_embeddings)
     workspace = estimate_workspace(
         config,

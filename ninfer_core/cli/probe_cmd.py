@@ -8,6 +8,7 @@ import sys
 
 from ninfer_core.device import DEVICE_SPECS, probe_device, simulated_device
 from ninfer_core.hookspecs import exclusive_points
+from ninfer_core.kernels.compose import plan_kernels
 from ninfer_core.plugin_host import create_host
 from ninfer_core.selection import probe
 
@@ -25,6 +26,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for point in exclusive_points():  # --gemm-backend, --kv-dtype, --spec
         text = f"{point.kind}, as ninfer-serve would be given"
         p.add_argument(point.option, default=point.default, help=text)
+    p.add_argument(
+        "--kernel",
+        default=None,
+        metavar="OP=NAME,...",
+        help="per-op kernel backends, as ninfer-serve would be given (linear=NAME,...)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
@@ -34,6 +41,7 @@ def run(ns: argparse.Namespace) -> int:
     host = create_host(warn=False)  # failures are listed below
     requested = {p.dest: getattr(ns, p.dest) for p in exclusive_points() if p.dest}
     reports = probe(host, device, **requested)
+    kernels = plan_kernels(host, device, ns.gemm_backend, ns.kernel)
     kv_bytes = _kv_bytes_per_token(host, ns.model) if ns.model else {}
     failures = [
         {"plugin": f.plugin, "distribution": f.distribution, "status": f.status, "reason": f.reason}
@@ -43,6 +51,7 @@ def run(ns: argparse.Namespace) -> int:
         out = {
             "device": device.to_json(),
             "extension_points": [r.to_json() for r in reports],
+            "kernel_ops": [c.to_json() for c in kernels],
             "plugin_failures": failures,
         }
         if kv_bytes:
@@ -60,6 +69,10 @@ def run(ns: argparse.Namespace) -> int:
             reason = f": {c.reason}" if c.reason else ""
             size = f" {kv_bytes[c.name]} B/token" if c.name in kv_bytes else ""
             print(f"  {c.status:<10} {c.name:<16} [{c.distribution}]{size}{reason}")
+        if report.point == "kernel_backends":
+            print("\nkernel ops (which backend serves each, and why)")
+            for choice in kernels:
+                print(f"  {choice.describe()}")
     for f in failures:
         what = "not loaded" if f["status"] == "broken" else "refused an object"
         print(f"\nplugin {f['plugin']} ({f['distribution']}) {what}: {f['reason']}")

@@ -183,6 +183,7 @@ def default_model_id(model: str | None) -> str:
 def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) -> None:
     """The device and what each extension point chose on it, as `ninfer probe` says it;
     a refused `--kv-dtype` or `--gemm-backend` fails here, with the alternatives."""
+    from ninfer_core.kernels.compose import plan_kernels
     from ninfer_core.kv import kv_codec_name
     from ninfer_core.loading import compute_dtype
     from ninfer_core.selection import probe
@@ -194,6 +195,8 @@ def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) ->
         names = [c.name for c in report.candidates if c.status in ("chosen", "available")]
         chosen = report.chosen or ", ".join(names) or "(none)"
         print(f"  {report.point.replace('_', ' ')}: {chosen}")
+    for choice in plan_kernels(host, device, runtime.gemm_backend, runtime.kernel):
+        print(f"    {choice.describe()}")
     for f in host.failures:
         print(f"  plugin {f.plugin} ({f.distribution}) not loaded: {f.reason}")
 

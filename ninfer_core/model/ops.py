@@ -1,9 +1,10 @@
 """`KernelOps`: every tensor operation the model runtime calls through a kernel backend.
 
 The model never calls a kernel directly; it holds one `KernelOps` and calls these
-methods, so a backend (the torch reference in `ninfer_plugins/backend_torch.py`, Triton,
-CuPy) can replace any subset. Shapes use T = tokens in the step (all sequences
-flattened), H = query heads, Hkv = KV heads, D = head dim.
+methods, so a backend (the torch reference in `ninfer_core/kernels/reference.py`, Triton,
+CuPy) can replace any subset (`ninfer_core/kernels/compose.py` composes them per op).
+Shapes use T = tokens in the step (all sequences flattened), H = query heads, Hkv = KV
+heads, D = head dim.
 """
 
 from __future__ import annotations

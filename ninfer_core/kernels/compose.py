@@ -1,0 +1,242 @@
+"""Kernels composed per op: each op from the highest-priority backend that provides it.
+
+A kernel backend may provide any subset of the ops (`KernelBackend.provides`; None: all
+of them). At load time the host picks, per op, the backend forced by `--kernel
+op=NAME`, else the one forced by `--gemm-backend NAME` where it provides the op, else
+the supported backend of highest priority that provides it (registration order breaks
+ties), and finally the core's reference (`reference.TorchOps`). The ops object the
+model holds then carries each chosen implementation as a bound method (or, when one
+backend serves every op, is that backend's own ops object): nothing is looked up per
+call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ninfer_core import conformance
+from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
+from ninfer_core.plugin_types import KernelOps
+from ninfer_core.selection import _check, _device_name, choose
+from ninfer_core.support import Support
+
+if TYPE_CHECKING:
+    import torch
+
+    from ninfer_core.device import DeviceInfo
+    from ninfer_core.plugin_host import PluginHost
+
+#: Each op a backend can provide, and the `KernelOps` members that come with it.
+OPS: dict[str, tuple[str, ...]] = {
+    "linear": ("linear", "pack_linear", "packed_nbytes"),
+    "attention": ("prepare", "paged_attention"),
+    "rms_norm": ("rms_norm",),
+    "rope": ("apply_rope",),
+    "silu_and_mul": ("silu_and_mul",),
+}
+#: Members a partial backend may leave out, and what stands in for them (the
+#: `ninfer_core.model.ops.KernelOps` base's defaults: no per-step state, weights kept
+#: as loaded, `ninfer plan` packs a probe weight).
+_DEFAULTS: dict[str, Any] = {
+    "prepare": lambda meta: None,
+    "pack_linear": lambda w, *, dtype=None: w,
+    "packed_nbytes": None,
+}
+#: The reference's name (the built-in `torch` backend registers the same ops).
+REFERENCE = "torch"
+KERNEL_OPTION = "--kernel"
+
+
+@dataclass(frozen=True, slots=True)
+class OpChoice:
+    """Which backend serves `op`, and why."""
+
+    op: str
+    backend: str
+    reason: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} (reference)" if self.backend == REFERENCE else self.backend
+
+    def describe(self) -> str:
+        return f"{self.op}: {self.label} - {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_kernel_option(text: str | None) -> dict[str, str]:
+    """`linear=NAME,attention=NAME` -> {op: backend}; an unknown op names the known ones."""
+    out: dict[str, str] = {}
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        op, sep, name = (s.strip() for s in part.partition("="))
+        if not sep or not op or not name:
+            raise UnknownNameError(
+                "kernel op", part, OPS, note=f"{KERNEL_OPTION} takes op=BACKEND[,op=BACKEND]"
+            )
+        if op not in OPS:
+            raise UnknownNameError("kernel op", op, OPS, note=f"in {KERNEL_OPTION} {text}")
+        out[op] = name
+    return out
+
+
+def _provided(obj: Any, device: DeviceInfo) -> dict[str, Support]:
+    """What a backend provides: {op: Support} (a refused backend refuses every op)."""
+    support = _check(obj, device)
+    if not support.ok:
+        return dict.fromkeys(OPS, support)
+    if obj.provides is None:  # optional in the KernelBackend contract: every op
+        return dict.fromkeys(OPS, support)
+    try:
+        answer = obj.provides(device)
+    except Exception as exc:  # a probe that crashes refuses, it does not crash the host
+        return dict.fromkeys(OPS, Support.no(f"provides() raised {type(exc).__name__}: {exc}"))
+    if not isinstance(answer, dict):
+        return dict.fromkeys(OPS, Support.no(f"provides() returned {answer!r}, not a dict"))
+    return {
+        op: (s if isinstance(s, Support) else Support.no(f"provides() gave {s!r}, not a Support"))
+        for op, s in answer.items()
+        if op in OPS
+    }
+
+
+def plan_kernels(
+    host: PluginHost,
+    device: DeviceInfo,
+    gemm_backend: str | None = "auto",
+    kernel: str | None = None,
+) -> list[OpChoice]:
+    """Which backend serves each op on `device`, and why; an impossible forced choice
+    (`--gemm-backend`, `--kernel`) raises naming the alternatives."""
+    forced = choose(host, "kernel_backends", device, gemm_backend)  # validates the name
+    overrides = parse_kernel_option(kernel)
+    entries = host.kernel_backends.entries()
+    provided = {e.name: _provided(e.obj, device) for e in entries}
+    priority = {e.name: e.obj.priority for e in entries}
+    ranked = sorted(priority, key=lambda n: -priority[n])  # stable: registration order
+    if gemm_backend not in (None, "auto", "none"):
+        name = forced.chosen
+        if not any(s.ok for s in provided[name].values()):
+            raise UnsupportedChoiceError(
+                f"--gemm-backend {name}: kernel backend {name!r} provides no op on "
+                f"{_device_name(device)}; alternatives: {_alternatives(provided, None, name)}"
+            )
+    else:
+        name = None
+    choices = []
+    for op in OPS:
+        if op in overrides:
+            want = overrides[op]
+            if want not in provided:
+                host.kernel_backends.entry(want)  # raises: the known backends
+            support = provided[want].get(op)
+            if support is None or not support.ok:
+                why = support.reason if support is not None else f"it does not provide {op}"
+                raise UnsupportedChoiceError(
+                    f"{KERNEL_OPTION} {op}={want}: kernel backend {want!r} cannot serve {op} on "
+                    f"{_device_name(device)}: {why}; alternatives: "
+                    f"{_alternatives(provided, op, want)}"
+                )
+            choices.append(OpChoice(op, want, _why(f"{KERNEL_OPTION} {op}={want}", support)))
+            continue
+        support = provided[name].get(op) if name is not None else None
+        if name is not None and support is not None and support.ok:
+            choices.append(OpChoice(op, name, _why(f"--gemm-backend {name}", support)))
+            continue
+        for n in ranked:
+            support = provided[n].get(op)
+            if support is not None and support.ok:
+                choices.append(
+                    OpChoice(op, n, _why(f"highest priority providing it ({priority[n]})", support))
+                )
+                break
+        else:
+            choices.append(OpChoice(op, REFERENCE, "no installed backend provides it"))
+    return choices
+
+
+def _why(how: str, support: Support) -> str:
+    return f"{how}: {support.reason}" if support.reason else how
+
+
+def _alternatives(provided: dict[str, dict[str, Support]], op: str | None, but: str) -> str:
+    names = [
+        n
+        for n, ops in provided.items()
+        if n != but and any(s.ok for o, s in ops.items() if op is None or o == op)
+    ]
+    return ", ".join(names) if names else "none on this device"
+
+
+def _member_problems(ops: Any, members: tuple[str, ...]) -> list[str]:
+    shapes = {m.name: m for m in conformance.members(KernelOps)}
+    out = []
+    for member in members:
+        value = getattr(ops, member, None)
+        if value is None:
+            if member not in _DEFAULTS:
+                out.append(f"no {member}")
+            continue
+        problem = conformance.call_problem(member, value, shapes[member].signature)
+        if problem:
+            out.append(problem)
+    return out
+
+
+def compose_ops(
+    host: PluginHost, device: DeviceInfo | torch.device | str, choices: list[OpChoice]
+) -> KernelOps:
+    """The ops object the model holds: each op's members from its chosen backend."""
+    from ninfer_core.kernels.reference import TorchOps
+
+    made: dict[str, Any] = {}
+    for backend in dict.fromkeys(c.backend for c in choices):
+        if backend in host.kernel_backends:
+            made[backend] = host.kernel_backends.get(backend).create_ops(device)
+        else:  # the reference, with no `torch` backend registered
+            made[backend] = TorchOps(getattr(device, "torch_device", device))
+    if len(made) == 1:
+        [(backend, ops)] = made.items()
+        conformance.check(ops, KernelOps, f"the ops of kernel backend {backend!r}")
+        return ops
+    for c in choices:
+        found = _member_problems(made[c.backend], OPS[c.op])
+        if found:
+            raise conformance.ContractError(
+                f"the ops of kernel backend {c.backend!r} ({made[c.backend]!r}) cannot serve "
+                f"{c.op}: {'; '.join(found)}"
+            )
+    composed = ComposedOps(choices, made)
+    conformance.check(composed, KernelOps, "the composed kernel ops")
+    return composed
+
+
+class ComposedOps:
+    """Ops from several backends: each member is the chosen backend's bound method,
+    set once here, so a call costs what calling that backend's ops directly does."""
+
+    def __init__(self, choices: list[OpChoice], made: dict[str, Any]) -> None:
+        self.choices = list(choices)
+        self.name = ",".join(f"{c.op}={c.backend}" for c in choices)
+        by_op = {c.op: made[c.backend] for c in choices}
+        self.device = by_op["linear"].device
+        for op, members in OPS.items():
+            for member in members:
+                value = getattr(by_op[op], member, None)
+                setattr(self, member, _DEFAULTS[member] if value is None else value)
+
+    def __repr__(self) -> str:
+        return f"ComposedOps({self.name})"
+
+
+def backend_summary(choices: list[OpChoice]) -> str:
+    """One name when one backend serves every op, else `op=name,...`."""
+    names = {c.backend for c in choices}
+    if len(names) == 1:
+        return next(iter(names))
+    return ",".join(f"{c.op}={c.backend}" for c in choices)

@@ -1,0 +1,405 @@
+"""The reference kernels (`TorchOps`): what every other backend is checked against, and
+what serves each op no other backend provides (`ninfer_core.kernels.compose`).
+The built-in `torch` kernel backend (`ninfer_plugins/backend_torch.py`) registers them.
+
+Plain PyTorch ops; runs wherever torch runs. Attention gathers each sequence's cached
+pages and calls `F.scaled_dot_product_attention` (grouped-query heads through
+`enable_gqa`) for prefill, two small matmuls for a decode row; masks are built once
+per step in `prepare`, not per layer.
+
+Quantized weights (`QuantizedTensor`) run one of two ways. The reference dequantizes
+row chunks into the activations' dtype and calls `F.linear` (exact: the same numbers a
+dense model of the dequantized weights computes). On the CPU in bf16, `pack_linear`
+instead repacks them for torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, which
+computes `(q - 8) * scale + zero` per group): Q4 codes directly; 5-, 6- and 8-bit codes
+as two int4 halves, `code = 16 * hi + lo`, laid side by side along K against `[x, x]`.
+The kernel suits decode (a few rows); a prefill chunk of many rows instead dequantizes
+the packed weight to bf16 a row chunk at a time and runs dense GEMMs (no dense copy
+stays resident).
+The kernel takes bf16 scales, so fp16 scales lose 3 bits (relative error <= 2^-9 on
+each weight); see `tests/test_quant_model.py` for the measured bound.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ninfer_core.memory.heap import HeapTrimmer
+from ninfer_core.model.attention_meta import AttentionMetadata
+from ninfer_core.model.ops import KernelOps, decode_length
+from ninfer_core.quant.formats import WeightFormat, weight_format
+from ninfer_core.quant.tensor import QuantizedTensor
+
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_INT4_CPU = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+    torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+)
+#: Group sizes the CPU int4 kernel accepts.
+_INT4_GROUPS = (32, 64, 128, 256)
+
+
+class TorchOps(KernelOps):
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        #: On the CPU, what evicted oneDNN kernels free goes back to the kernel (heap.py).
+        self._heap = HeapTrimmer() if self.device.type == "cpu" else None
+
+    def linear(self, x, w, b=None):
+        if isinstance(w, Int4Linear):
+            return w(x, b)
+        if isinstance(w, QuantizedTensor):
+            return w.linear(x, b)
+        if w.layout == torch._mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+        return F.linear(x, w, b)
+
+    def pack_linear(self, w, *, dtype=None):
+        """On the CPU, oneDNN's blocked weight layout: decode GEMVs then stream the
+        weights at close to memory bandwidth (about 1.5-3x `F.linear` on plain
+        row-major weights here), with identical results in bf16.
+
+        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`;
+        otherwise it stays as it is and `linear` runs the exact reference path."""
+        if isinstance(w, QuantizedTensor):
+            if int4_format_supported(w.fmt, self.device, dtype):
+                return Int4Linear(w)
+            return w
+        if not self._reorders_dense(w.dtype):
+            return w
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+
+    def _reorders_dense(self, dtype: torch.dtype | None) -> bool:
+        """Whether `pack_linear` reorders a dense matrix of `dtype` into oneDNN's layout."""
+        return self.device.type == "cpu" and dtype == torch.bfloat16 and _MKLDNN
+
+    def packed_nbytes(self, fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
+        """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt_name` and run
+        in `dtype`, or None where it keeps the matrix as loaded; computed from the shape
+        alone, so `ninfer plan` sizes a quantized model without reading a weight."""
+        fmt = weight_format(fmt_name)
+        if fmt.quantized:
+            if int4_format_supported(fmt, self.device, dtype):
+                return Int4Linear.nbytes_for(fmt, shape)
+            return None
+        if not self._reorders_dense(dtype):
+            return None
+        return shape[0] * shape[1] * dtype.itemsize  # the blocked layout, same bytes
+
+    def rms_norm(self, x, w, eps):
+        # Statistics in fp32, then back to x.dtype before the weight, as transformers does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    def silu_and_mul(self, gate, up):
+        return F.silu(gate) * up
+
+    def apply_rope(self, q, k, cos, sin):
+        # q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D/2] -> broadcast over heads
+        cos, sin = cos[:, None, :], sin[:, None, :]
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+        return rotate(q), rotate(k)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-sequence query offsets, the keys each sequence reads (a decode row's
+        context padded to `decode_length`) with their page table, and, for prefill chunks
+        after a cached prefix, the causal mask offset by that prefix; built once per
+        step, not per layer."""
+        if self._heap is not None and meta.max_query_len > 1:
+            self._heap.maybe_trim()  # a prefill step: new shapes, large temporaries
+        starts, masks, lengths, tables, offset = [], [], [], [], 0
+        dev, bs = meta.slot_mapping.device, meta.block_size
+        rows = meta.block_tables
+        for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+            starts.append(offset)
+            offset += qlen
+            # oneDNN compiles and keeps a kernel per shape on the CPU (docs/memory.md); the
+            # reference pads on every device, so the workspace estimate fits all of them
+            length = decode_length(ctx, bs) if qlen == 1 else ctx
+            lengths.append(length)
+            tables.append(_page_table(rows[i], -(-length // bs)))
+            if qlen == 1 or qlen == ctx:
+                masks.append(None)  # decode, or a whole prompt (plain causal)
+            else:
+                # Query i sits at position ctx - qlen + i and sees keys up to it.
+                q_pos = torch.arange(ctx - qlen, ctx, device=dev)
+                masks.append(torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])
+        meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables)
+
+    def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
+        """Each sequence attends over its own pages only: a ragged batch is never padded
+        to its longest member (a decode row reads its L keys, not the batch maximum)."""
+        # q: [T, H, D], k_new/v_new: [T, Hkv, D]
+        kv_store.write(layer, meta.slot_mapping, k_new, v_new)
+        plan = meta.plan
+        outs = []
+        for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+            start, length = plan["starts"][i], plan["lengths"][i]
+            qi = q[start : start + qlen]  # [Q, H, D]
+            # k, v: [Hkv, length, D]; a decode row's keys past ctx are padding (finite)
+            k, v, rotation = gather_heads(kv_store, layer, plan["tables"][i], length, q.dtype)
+            if rotation is not None:  # (qH)·(kH) = q·k; the output comes back by Hᵀ
+                qi = rotation.forward(qi).to(q.dtype)
+            if qlen == 1:
+                out = _decode_one(qi, k, v, scale, valid=ctx)
+            else:
+                mask = plan["masks"][i]
+                out = F.scaled_dot_product_attention(
+                    qi.transpose(0, 1)[None],
+                    k[None],
+                    v[None],
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=scale,
+                    enable_gqa=True,
+                )[0].transpose(0, 1)  # [Q, H, D]
+            outs.append(out if rotation is None else rotation.inverse(out).to(q.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _page_table(row: torch.Tensor, pages: int) -> torch.Tensor:
+    """`pages` entries of a block-table row, padded with page 0 past its end (a real,
+    zero-initialised page, so padded keys stay finite)."""
+    if pages <= row.numel():
+        return row[:pages]
+    return torch.cat([row, row.new_zeros(pages - row.numel())])
+
+
+def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: torch.dtype):
+    """A sequence's (or batch's) K and V as `[(B,) Hkv, L, D]` in `dtype`, and the
+    rotation they are in (or None).
+
+    Stores that keep pages head-major offer `gather_heads`, which needs no
+    transpose; any other store's token-major `gather` is transposed here. A store
+    with a `rotation` (rk8v4) hands K and V over still rotated: the caller rotates
+    the query and un-rotates the output, which for a decode step is two vectors per
+    head instead of the whole context.
+    """
+    rotation = kv_store.rotation  # KVStore contract: None unless stored rotated
+    if rotation is not None:
+        k, v = kv_store.gather_heads(layer, table, length, rotated=True)
+    elif kv_store.gather_heads is not None:  # optional: None means token-major only
+        k, v = kv_store.gather_heads(layer, table, length)
+    else:
+        k, v = kv_store.gather(layer, table, length)
+        k, v = k.transpose(-3, -2), v.transpose(-3, -2)
+    return k.to(dtype), v.to(dtype), rotation
+
+
+def _decode_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, valid: int
+) -> torch.Tensor:
+    """One query token over the first `valid` keys, grouped heads as a batched matmul.
+
+    CPU SDPA spends most of its time on setup for a single query row; two small
+    matmuls with the softmax in fp32 are several times faster and as exact. Keys past
+    `valid` (the padding `decode_length` adds) get probability exactly 0; they must be
+    finite, which the zeroed pools guarantee.
+    """
+    # q: [1, H, D], k/v: [Hkv, L, D] with L >= valid -> [1, H, D]
+    h, d = q.shape[1], q.shape[2]
+    hkv = k.shape[0]
+    qg = q[0].view(hkv, h // hkv, d)  # [Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, G, L]
+    if valid < scores.shape[-1]:
+        scores[..., valid:] = float("-inf")
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(1, h, d)  # [Hkv, G, D] -> [1, H, D]
+
+
+def int4_format_supported(
+    fmt: WeightFormat, device: torch.device, dtype: torch.dtype | None
+) -> bool:
+    """Whether `Int4Linear` can run weights of `fmt` for `dtype` activations on `device`."""
+    return (
+        _INT4_CPU
+        and dtype == torch.bfloat16
+        and torch.device(device).type == "cpu"
+        and fmt.group in _INT4_GROUPS
+        and fmt.bits <= 8
+    )
+
+
+class Int4Linear:
+    """A quantized `[out, in]` weight repacked for torch's CPU int4 kernel (bf16 only).
+
+    4-bit codes go in as `q = code + 8` with zero 0. Wider codes split as
+    `code = 16 * hi + lo` (`lo = code & 15`, `hi = code >> 4`): the K axis holds the
+    `lo` half (scale s, zero 8s, so `(lo - 8) s + 8s = lo s`) and then the `hi` half
+    (`q = hi + 8`, scale 16s), and the activations go in twice, `[x, x]`. Resident
+    bytes: 0.5 per weight for Q4, 1 for Q5/Q6/W8, plus 4 bytes of scale and zero per
+    group (per half).
+    """
+
+    #: Rows converted at a time (a multiple of the kernel's 64-row blocks).
+    CHUNK_ROWS = 4096
+    #: Inputs of more rows than this take the dense path (`_dense`). The int4 kernel
+    #: re-decodes the weight for every few rows (3-14x slower than bf16 past ~4 rows);
+    #: the dense path decodes it once a call, which costs about what 80-100 rows through
+    #: the kernel do (measured on a Xeon, 1 and 2 threads), then runs at bf16 speed.
+    DENSE_MIN_ROWS = 96
+    #: Weight elements dequantized at a time on the dense path (8 MiB of bf16): the
+    #: whole dense matrix is never resident.
+    DENSE_CHUNK_ELEMS = 1 << 22
+
+    def __init__(self, w: QuantizedTensor) -> None:
+        self.out_features, self.in_features = w.shape
+        self.group, self.padded_in = w.fmt.group, w.padded_cols
+        self.split = w.fmt.bits > 4
+        self.padded_out = -(-self.out_features // 16) * 16  # the kernel wants N % 16 == 0
+        packed, sz = [], []
+        for start in range(0, self.out_features, self.CHUNK_ROWS):
+            n = min(self.CHUNK_ROWS, self.out_features - start)
+            p, s = self._convert(w.narrow_rows(start, n), start + n == self.out_features)
+            packed.append(p)
+            sz.append(s)
+        self.packed = torch.cat(packed) if len(packed) > 1 else packed[0]
+        # scales_and_zeros: [K' / group, N_padded, 2]
+        self.scales_and_zeros = torch.cat(sz, dim=1) if len(sz) > 1 else sz[0]
+
+    def _convert(self, w: QuantizedTensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = w.codes()  # int8 [n, Kp]
+        scale = w.scales.to(torch.bfloat16)  # [n, Kp / group]
+        if self.split:
+            lo, hi = codes & 15, codes >> 4  # two's complement: code = 16 * hi + lo
+            q = torch.cat((lo.to(torch.int32), hi.to(torch.int32) + 8), dim=1)
+            scales = torch.cat((scale, scale * 16), dim=1)
+            zeros = torch.cat((scale * 8, torch.zeros_like(scale)), dim=1)
+        else:
+            q = codes.to(torch.int32) + 8
+            scales, zeros = scale, torch.zeros_like(scale)
+        pad = self.padded_out - self.out_features if last else 0
+        if pad:  # zero rows: q = 8 with scale 0
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 8)
+        sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+        return packed, sz
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
+
+    @staticmethod
+    def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
+        """`nbytes` of the `Int4Linear` of a `shape` matrix in `fmt`, without building it:
+        K' = padded columns (twice that for two halves), N rounded up to 16; the packed
+        codes take K' / 2 bytes a row, and each group of each row a bf16 scale and zero."""
+        rows, cols = int(shape[0]), int(shape[1])
+        k = fmt.padded_cols(cols) * (2 if fmt.bits > 4 else 1)
+        n = -(-rows // 16) * 16
+        return n * k // 2 + (k // fmt.group) * n * 2 * 2
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] bf16 -> [T, out] bf16
+        assert x.dtype == torch.bfloat16 and x.shape[-1] == self.in_features
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        if x.shape[0] > self.DENSE_MIN_ROWS and int4_layout_known():
+            return self._dense(x, b)
+        if self.split:
+            x = torch.cat((x, x), dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group, self.scales_and_zeros
+        )
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
+        return y if b is None else y + b
+
+    def dequantize_t(self, start: int, n: int, dtype=torch.float32) -> torch.Tensor:
+        """Rows `start:start + n` of the weight, transposed: `[padded_in, n]` in `dtype`,
+        with the kernel's numbers: `code * scale`, the code rebuilt as `q - 8` (Q4) or
+        `16 (q_hi - 8) + q_lo` (two halves) and the bf16 scale of `_convert`, so each
+        product rounds once into `dtype`. `start` is a multiple of 64."""
+        q = unpack_int4pack(self.packed, self.padded_out, start, n)  # [K', n] 0..15
+        groups = self.padded_in // self.group
+        # scales_and_zeros: [K' / group, N, 2]; the first `groups` hold s (lo half, or Q4)
+        scales = self.scales_and_zeros[:groups, start : start + n, 0]  # [groups, n]
+        # Codes are integers in [-128, 127]: exact in bf16, so they are built in `dtype`.
+        if self.split:
+            lo, hi = q[: self.padded_in], q[self.padded_in :]
+            codes = lo.to(dtype).add_(hi.to(dtype), alpha=16).sub_(128)
+        else:
+            codes = q.to(dtype).sub_(8)
+        w = codes.view(groups, self.group, n).mul_(scales.to(dtype)[:, None])
+        return w.view(self.padded_in, n)
+
+    def _dense(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Many rows (a prefill chunk): dequantize the weight to bf16 one row chunk at a
+        time and run dense GEMMs, which reuse each weight over every row of `x`."""
+        # x: [T, padded_in] bf16 -> [T, out] bf16
+        step = max(64, self.DENSE_CHUNK_ELEMS // self.padded_in // 64 * 64)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, self.out_features, step):
+            n = min(step, self.out_features - start)
+            wt = self.dequantize_t(start, n, torch.bfloat16)  # [padded_in, n]
+            y = torch.matmul(x, wt)
+            out[:, start : start + n] = y if b is None else y + b[start : start + n]
+        return out
+
+    def __repr__(self) -> str:
+        halves = " (two int4 halves)" if self.split else ""
+        return f"Int4Linear([{self.out_features}, {self.in_features}], group {self.group}{halves})"
+
+
+#: Rows per block of the CPU int4 kernel's packed layout.
+_INT4_BLOCK = 64
+
+
+def unpack_int4pack(packed: torch.Tensor, rows: int, start: int, n: int) -> torch.Tensor:
+    """Rows `start:start + n` of a `_convert_weight_to_int4pack_for_cpu` result, as uint8
+    nibbles `[K, n]` (K-major, the layout the packing already has: no transpose);
+    `rows` is the packed matrix's row count, `start` a multiple of 64.
+
+    The layout (checked by `int4_layout_known` before it is relied on): rows in blocks
+    of 64, each block `[K, 32]` bytes whose byte j holds row j (low nibble) and row
+    j + 32 (high); a last block of fewer rows `[K, rows / 2]`, two adjacent rows a byte.
+    """
+    flat = packed.view(-1)
+    k = flat.numel() * 2 // rows
+    full = rows // _INT4_BLOCK * _INT4_BLOCK
+    b0 = start // _INT4_BLOCK
+    b1 = -(-min(start + n, full) // _INT4_BLOCK) if start < full else b0
+    tail = rows - full if start + n > full else 0
+    out = torch.empty(k, (b1 - b0) * _INT4_BLOCK + tail, dtype=torch.uint8)
+    if b1 > b0:
+        half = _INT4_BLOCK // 2
+        blocks = flat[: full * k // 2].view(-1, k, half)[b0:b1].transpose(0, 1)  # [K, nb, 32]
+        dst = out[:, : (b1 - b0) * _INT4_BLOCK].view(k, b1 - b0, _INT4_BLOCK)
+        torch.bitwise_and(blocks, 15, out=dst[..., :half])
+        torch.bitwise_right_shift(blocks, 4, out=dst[..., half:])
+    if tail:
+        packed_tail = flat[full * k // 2 :].view(k, tail // 2)
+        dst = out[:, -tail:].view(k, tail // 2, 2)
+        torch.bitwise_and(packed_tail, 15, out=dst[..., 0])
+        torch.bitwise_right_shift(packed_tail, 4, out=dst[..., 1])
+    return out[:, :n]
+
+
+@functools.cache
+def int4_layout_known() -> bool:
+    """Whether this torch packs int4 weights the way `unpack_int4pack` reads them (the
+    layout is the kernel's own, not a public format): one round trip, once a process.
+    If not, `Int4Linear` keeps to the kernel for every batch size."""
+    if not _INT4_CPU:
+        return False
+    q = torch.randint(0, 16, (80, 128), generator=torch.Generator().manual_seed(0))
+    q = q.to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+    try:
+        whole = unpack_int4pack(packed, 80, 0, 80)
+        part = unpack_int4pack(packed, 80, 64, 16)
+    except RuntimeError:
+        return False
+    return torch.equal(whole.t().to(torch.int32), q) and torch.equal(
+        part.t().to(torch.int32), q[64:]
+    )
