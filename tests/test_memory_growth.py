@@ -5,8 +5,8 @@ shape, and decode attention had a new shape every step (one more key). Measured 
 fix (`ninfer bench memory`, built-in model, bf16): +945 MiB over one 1,500-token
 generation, +130 MiB over 50 prompts of distinct lengths. The fix has three parts, each
 tested here: decode attention pads its context to `decode_length` (few shapes), the entry
-points cap the kernel caches (`CPU_RUNTIME_ENV`), which the plan charges for, and the torch
-backend gives freed heap pages back before prefill steps (`HeapTrimmer`).
+points cap the kernel caches (`CPU_RUNTIME_ENV`), which the plan charges for, and the model
+runner gives freed heap pages back before prefill steps (`HeapTrimmer`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.memory.planner import MIB
-from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import decode_length, decode_length_count
 from ninfer_core.sampling import SamplingParams
 from ninfer_plugins.backend_torch import _decode_one
@@ -115,15 +115,16 @@ def test_heap_trimmer_trims_at_most_once_per_interval():
 
 def test_cpu_prefill_steps_trim_the_heap(engine_model):
     """Fails on the old code, which never gave freed heap pages back (see heap.py)."""
-    _, host, device = engine_model
-    ops = host.kernel_backends.get("torch").create_ops(device)
-    assert isinstance(ops._heap, HeapTrimmer) and ops._heap._trim is not None
+    loaded, host, device = engine_model
+    runner = build_runtime(loaded, host, device, RuntimeSpec.for_tokens(64)).runner
+    assert isinstance(runner.heap, HeapTrimmer) and runner.heap._trim is not None
     calls = []
-    ops._heap = HeapTrimmer(0.0, trim=calls.append)
-    meta = AttentionMetadata.build([(_seq(40, 0), 40)], 16)
-    ops.prepare(meta)
-    decode = AttentionMetadata.build([(_seq(41, 40), 1)], 16)
-    ops.prepare(decode)  # decode steps build nothing new: no trim
+    runner.heap = HeapTrimmer(0.0, trim=calls.append)
+    seq = _seq(40, 0)
+    seq.block_table = []  # the runner allocates the pages
+    runner.run([(seq, 40)])
+    seq.append_token(1)
+    runner.run([(seq, 1)])  # decode steps build nothing new: no trim
     assert calls == [0]
 
 

@@ -8,6 +8,7 @@ import torch
 
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.sequence import Sequence
+from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.model.attention_meta import AttentionMetadata
 
 
@@ -24,6 +25,10 @@ class ModelRunner:
         self.kv_store = kv_store
         self.block_manager = block_manager
         self.device = next(model.parameters()).device
+        #: On the CPU, what evicted oneDNN kernels and a prefill's temporaries free goes back
+        #: to the kernel (memory/heap.py). Here, not in a kernel backend: the heap is the
+        #: process's, whichever backend serves the step's ops.
+        self.heap = HeapTrimmer() if self.device.type == "cpu" else None
 
     @property
     def block_size(self) -> int:
@@ -57,6 +62,8 @@ class ModelRunner:
         `num_computed_tokens` has advanced by `n` (its K/V are in the cache);
         appending the sampled token is the caller's job.
         """
+        if self.heap is not None and any(n > 1 for _, n in batch):
+            self.heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
         if not all_tokens:

@@ -27,7 +27,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
@@ -46,8 +45,6 @@ class TorchOps(KernelOps):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
-        #: On the CPU, what evicted oneDNN kernels free goes back to the kernel (heap.py).
-        self._heap = HeapTrimmer() if self.device.type == "cpu" else None
 
     def linear(self, x, w, b=None):
         if isinstance(w, Int4Linear):
@@ -114,8 +111,6 @@ class TorchOps(KernelOps):
         context padded to `decode_length`) with their page table, and, for prefill chunks
         after a cached prefix, the causal mask offset by that prefix; built once per
         step, not per layer."""
-        if self._heap is not None and meta.max_query_len > 1:
-            self._heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         starts, masks, lengths, tables, offset = [], [], [], [], 0
         dev, bs = meta.slot_mapping.device, meta.block_size
         rows = meta.block_tables

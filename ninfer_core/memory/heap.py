@@ -5,7 +5,7 @@ bounded caches (docs/memory.md, "Memory that stays bounded"). What the evicted k
 prefill's large temporaries free stays in glibc's heap, fragmented, and counts in RSS: 300
 prompts of distinct lengths grew the built-in model's process by 187 MiB of which 31 MiB was
 live. `malloc_trim(0)` returns it (75 ms the first time on a fragmented heap, ~2 ms after), so
-the torch backend calls `maybe_trim` before prefill steps, at most once per interval.
+the model runner calls `maybe_trim` before prefill steps, at most once per interval.
 """
 
 from __future__ import annotations
