@@ -45,7 +45,8 @@ class PointReport:
         return asdict(self)
 
 
-def _check(obj: Any, device: DeviceInfo) -> Support:
+def ask_supports(obj: Any, device: DeviceInfo) -> Support:
+    """`obj.supports(device)`, with a crashing or malformed probe read as a refusal."""
     try:
         support = obj.supports(device)
     except Exception as exc:  # a probe that crashes refuses, it does not crash the host
@@ -70,7 +71,7 @@ def choose(host: PluginHost, point: str, device: DeviceInfo, requested: str | No
     """
     registry = host.registries[point]
     kind = EXTENSION_POINTS[point].kind
-    checks = {e.name: (_check(e.obj, device), e) for e in registry.entries()}
+    checks = {e.name: (ask_supports(e.obj, device), e) for e in registry.entries()}
     supported = [n for n, (s, _) in checks.items() if s.ok]
     chosen: str | None = None
     if point in EXCLUSIVE and requested not in (None, "none"):
@@ -85,7 +86,7 @@ def choose(host: PluginHost, point: str, device: DeviceInfo, requested: str | No
                 alternatives = ", ".join(others) if others else "none on this device"
                 raise UnsupportedChoiceError(
                     f"{OPTION_OF[point]} {requested}: {kind} {requested!r} cannot run on "
-                    f"{_device_name(device)}: {support.reason}; alternatives: {alternatives}"
+                    f"{device_name(device)}: {support.reason}; alternatives: {alternatives}"
                 )
             chosen = requested
     candidates = []
@@ -114,7 +115,8 @@ def _auto_pick(point: str, supported: list[str], checks: dict, device: DeviceInf
     return supported[0]  # registration order
 
 
-def _device_name(device: DeviceInfo) -> str:
+def device_name(device: DeviceInfo) -> str:
+    """The device as error messages name it."""
     if device.cuda is not None:
         return f"{device.cuda.name} (SM{device.cuda.sm_version})"
     return "the CPU"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ninfer_core import conformance
 from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
 from ninfer_core.plugin_types import KernelOps
-from ninfer_core.selection import _check, _device_name, choose
+from ninfer_core.selection import ask_supports, choose, device_name
 from ninfer_core.support import Support
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def parse_kernel_option(text: str | None) -> dict[str, str]:
 
 def _provided(obj: Any, device: DeviceInfo) -> dict[str, Support]:
     """What a backend provides: {op: Support} (a refused backend refuses every op)."""
-    support = _check(obj, device)
+    support = ask_supports(obj, device)
     if not support.ok:
         return dict.fromkeys(OPS, support)
     if obj.provides is None:  # optional in the KernelBackend contract: every op
@@ -124,7 +124,7 @@ def plan_kernels(
         if not any(s.ok for s in provided[name].values()):
             raise UnsupportedChoiceError(
                 f"--gemm-backend {name}: kernel backend {name!r} provides no op on "
-                f"{_device_name(device)}; alternatives: {_alternatives(provided, None, name)}"
+                f"{device_name(device)}; alternatives: {_alternatives(provided, None, name)}"
             )
     else:
         name = None
@@ -139,7 +139,7 @@ def plan_kernels(
                 why = support.reason if support is not None else f"it does not provide {op}"
                 raise UnsupportedChoiceError(
                     f"{KERNEL_OPTION} {op}={want}: kernel backend {want!r} cannot serve {op} on "
-                    f"{_device_name(device)}: {why}; alternatives: "
+                    f"{device_name(device)}: {why}; alternatives: "
                     f"{_alternatives(provided, op, want)}"
                 )
             choices.append(OpChoice(op, want, _why(f"{KERNEL_OPTION} {op}={want}", support)))
