@@ -11,8 +11,9 @@ Quantized weights (`QuantizedTensor`) run one of two ways. The reference dequant
 row chunks into the activations' dtype and calls `F.linear` (exact: the same numbers a
 dense model of the dequantized weights computes). On the CPU in bf16, `pack_linear`
 instead repacks them for torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, which
-computes `(q - 8) * scale + zero` per group): Q4 codes directly; 5-, 6- and 8-bit codes
-as two int4 halves, `code = 16 * hi + lo`, laid side by side along K against `[x, x]`.
+computes `(q - 8) * scale + zero` per group): Q4 codes directly (an asymmetric format's
+`u * scale + min` as scale and zero `min + 8 * scale`); 5-, 6- and 8-bit codes as two
+int4 halves, `code = 16 * hi + lo`, laid side by side along K against `[x, x]`.
 The kernel suits decode (a few rows); a prefill chunk of many rows instead dequantizes
 the packed weight to bf16 a row chunk at a time and runs dense GEMMs (no dense copy
 stays resident).
@@ -227,7 +228,11 @@ def int4_format_supported(
 class Int4Linear:
     """A quantized `[out, in]` weight repacked for torch's CPU int4 kernel (bf16 only).
 
-    4-bit codes go in as `q = code + 8` with zero 0. Wider codes split as
+    4-bit codes go in as `q = code + 8` with zero 0; an asymmetric format's stored value
+    `u = code + 8` goes in as `q = u` with zero `min + 8 * scale` (computed in fp32, one
+    rounding to bf16), since `u * scale + min = (u - 8) * scale + (min + 8 * scale)`. The
+    kernel's own convention on torch 2.13, checked by the tests, is
+    `w = (q - 8) * scale + zero`. Wider codes split as
     `code = 16 * hi + lo` (`lo = code & 15`, `hi = code >> 4`): the K axis holds the
     `lo` half (scale s, zero 8s, so `(lo - 8) s + 8s = lo s`) and then the `hi` half
     (`q = hi + 8`, scale 16s), and the activations go in twice, `[x, x]`. Resident
@@ -250,6 +255,7 @@ class Int4Linear:
         self.out_features, self.in_features = w.shape
         self.group, self.padded_in = w.fmt.group, w.padded_cols
         self.split = w.fmt.bits > 4
+        self.mins = w.fmt.mins
         self.padded_out = -(-self.out_features // 16) * 16  # the kernel wants N % 16 == 0
         packed, sz = [], []
         for start in range(0, self.out_features, self.CHUNK_ROWS):
@@ -269,6 +275,10 @@ class Int4Linear:
             q = torch.cat((lo.to(torch.int32), hi.to(torch.int32) + 8), dim=1)
             scales = torch.cat((scale, scale * 16), dim=1)
             zeros = torch.cat((scale * 8, torch.zeros_like(scale)), dim=1)
+        elif w.mins is not None:
+            q = codes.to(torch.int32) + 8  # the stored value u
+            scales = scale
+            zeros = (w.mins.float() + 8 * w.scales.float()).to(torch.bfloat16)
         else:
             q = codes.to(torch.int32) + 8
             scales, zeros = scale, torch.zeros_like(scale)
@@ -314,12 +324,19 @@ class Int4Linear:
         """Rows `start:start + n` of the weight, transposed: `[padded_in, n]` in `dtype`,
         with the kernel's numbers: `code * scale`, the code rebuilt as `q - 8` (Q4) or
         `16 (q_hi - 8) + q_lo` (two halves) and the bf16 scale of `_convert`, so each
-        product rounds once into `dtype`. `start` is a multiple of 64."""
+        product rounds once into `dtype`; an asymmetric format's `(q - 8) * scale + zero`
+        is computed in fp32 (the product exact, the sum rounded once) and then cast.
+        `start` is a multiple of 64."""
         q = unpack_int4pack(self.packed, self.padded_out, start, n)  # [K', n] 0..15
         groups = self.padded_in // self.group
         # scales_and_zeros: [K' / group, N, 2]; the first `groups` hold s (lo half, or Q4)
         scales = self.scales_and_zeros[:groups, start : start + n, 0]  # [groups, n]
         # Codes are integers in [-128, 127]: exact in bf16, so they are built in `dtype`.
+        if self.mins:
+            zeros = self.scales_and_zeros[:groups, start : start + n, 1]  # [groups, n]
+            w = q.to(torch.float32).sub_(8).view(groups, self.group, n)
+            w.mul_(scales.float()[:, None]).add_(zeros.float()[:, None])
+            return w.view(self.padded_in, n).to(dtype)
         if self.split:
             lo, hi = q[: self.padded_in], q[self.padded_in :]
             codes = lo.to(dtype).add_(hi.to(dtype), alpha=16).sub_(128)
@@ -342,7 +359,7 @@ class Int4Linear:
         return out
 
     def __repr__(self) -> str:
-        halves = " (two int4 halves)" if self.split else ""
+        halves = " (two int4 halves)" if self.split else " (scale and min)" if self.mins else ""
         return f"Int4Linear([{self.out_features}, {self.in_features}], group {self.group}{halves})"
 
 

@@ -1,21 +1,28 @@
 """The weight formats a `.ninfer` file may store, and how many bytes each takes.
 
 Dense formats store the tensor as it is (little-endian, row-major). Quantized formats
-are symmetric signed group codes over the last dimension of a 2-D `[rows, cols]`
-tensor: each row is cut into groups of `group` columns (the last group zero-padded
-when `cols` is not a multiple), each group has one fp16 scale, and
+are group codes over the last dimension of a 2-D `[rows, cols]` tensor: each row is cut
+into groups of `group` columns (the last group zero-padded when `cols` is not a
+multiple), each group has one fp16 scale and, in an asymmetric format (`mins`), one fp16
+minimum too:
 
-    weight ≈ code * scale,   code in [-2^(bits-1), 2^(bits-1) - 1]
+    symmetric:   weight ≈ code * scale,                code in [-2^(bits-1), 2^(bits-1) - 1]
+    asymmetric:  weight ≈ (code + 2^(bits-1)) * scale + min
 
-The stored object is the code block followed by the scale block:
+so `code + 2^(bits-1)`, the stored value, runs over 0 .. 2^bits - 1 in both. Q4G32 and
+W8G32 are ggml's Q4_0 and Q8_0; Q4G32M is ggml's Q4_1 (see `ggml.py`).
+
+The stored object is the code block, then the scale block, then (asymmetric formats
+only) the min block:
 
 - codes: rows × padded_cols codes, row-major, each row a little-endian bit stream in
   which code `i` occupies bits `[i*bits, (i+1)*bits)`, stored offset-binary
   (`code + 2^(bits-1)`, so 0 .. 2^bits - 1). For 8 bits that is one byte per code;
   for 4 bits two codes per byte, low nibble first.
 - scales: rows × groups fp16 values, row-major, little-endian.
+- mins: rows × groups fp16 values, row-major, little-endian (asymmetric formats only).
 
-`padded_cols` is `cols` rounded up to the group; both blocks' sizes are whole bytes
+`padded_cols` is `cols` rounded up to the group; every block's size is whole bytes
 because every group size here is a multiple of 8.
 """
 
@@ -30,12 +37,14 @@ from ninfer_core.errors import UnknownNameError
 
 @dataclass(frozen=True, slots=True)
 class WeightFormat:
-    """One storage format: a dense dtype, or `bits`-bit codes with a scale per `group`."""
+    """One storage format: a dense dtype, or `bits`-bit codes with a scale per `group`
+    (and, with `mins`, an fp16 minimum per group as well)."""
 
     name: str
     bits: int
     group: int = 0  # 0: dense
     dtype: torch.dtype | None = None  # dense formats only
+    mins: bool = False  # asymmetric: weight = (code - qmin) * scale + min
 
     @property
     def quantized(self) -> bool:
@@ -49,6 +58,13 @@ class WeightFormat:
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight when no group is padded: codes, scales and mins."""
+        if not self.quantized:
+            return float(self.bits)
+        return self.bits + 16 * (2 if self.mins else 1) / self.group
+
     def padded_cols(self, cols: int) -> int:
         return -(-cols // self.group) * self.group
 
@@ -60,6 +76,10 @@ class WeightFormat:
         rows, cols = _matrix(self, shape)
         return rows * (self.padded_cols(cols) // self.group) * 2
 
+    def min_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of the min block: as many as the scale block, or 0 (symmetric)."""
+        return self.scale_bytes(shape) if self.mins else 0
+
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes of one stored tensor of this format and logical `shape`."""
         if not self.quantized:
@@ -67,7 +87,7 @@ class WeightFormat:
             for d in shape:
                 numel *= int(d)
             return numel * self.bits // 8
-        return self.code_bytes(shape) + self.scale_bytes(shape)
+        return self.code_bytes(shape) + self.scale_bytes(shape) + self.min_bytes(shape)
 
 
 def _matrix(fmt: WeightFormat, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -86,6 +106,8 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("Q5G64", 5, 64),
         WeightFormat("Q6G64", 6, 64),
         WeightFormat("W8G32", 8, 32),
+        WeightFormat("Q4G32", 4, 32),
+        WeightFormat("Q4G32M", 4, 32, mins=True),
     )
 }
 
