@@ -16,7 +16,10 @@ which inherits the defaults. An optional callable member's shape is the
 `__call__` of the small protocol it is typed with (`GatherHeads`, ...).
 
 The core passes a method's required arguments by position and its optional ones
-by name, exactly as the protocol's signature spells them.
+by name, exactly as the protocol's signature spells them. An argument a contract
+grew later (`workload` of `KernelBackend.provides` and `supports`) is passed, by name,
+only to a method whose signature takes it (a parameter so named, or `**kwargs`), as
+pluggy does for hook arguments: a plugin written before it keeps working.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
     from ninfer_core.kv.hadamard import HeadRotation
     from ninfer_core.kv.layout import KVLayout
+    from ninfer_core.kv.state import StepStates
     from ninfer_core.model.attention_meta import AttentionMetadata
+    from ninfer_core.model.caches import ModelCaches
     from ninfer_core.model.config import ModelConfig
+    from ninfer_core.model.weights import WeightSlot
     from ninfer_core.serve.errors import ApiError
     from ninfer_core.support import Support
 
@@ -85,6 +91,20 @@ class CheckArtifact(Protocol):
         ...
 
 
+class LayerCaches(Protocol):
+    def __call__(self, config: ModelConfig) -> ModelCaches:
+        """Per layer of a model of `config`, what it keeps: paged K/V per token or a
+        fixed-size state per sequence (`ninfer_core.model.caches`)."""
+        ...
+
+
+class WeightSlots(Protocol):
+    def __call__(self, config: ModelConfig) -> list[WeightSlot]:
+        """Every checkpoint tensor a model of `config` holds, and the runtime parameter it
+        fills (`ninfer_core.model.weights.WeightSlot`)."""
+        ...
+
+
 class GatherHeads(Protocol):
     def __call__(
         self,
@@ -110,7 +130,15 @@ class ProvidesOps(Protocol):
     def __call__(self, device: DeviceInfo) -> dict[str, Support]:
         """Per op this backend provides (`ninfer_core.kernels.compose.OPS`: `linear`,
         `attention`, `rms_norm`, `rope`, `silu_and_mul`), whether it can serve it on
-        `device`, with the reason; an op left out is not provided."""
+        `device`, with the reason; an op left out is not provided.
+
+        It may also take `workload` (`ninfer_core.kernels.workload.KernelWorkload`: the
+        model's weight formats, the KV codec, the compute dtype; a field is None where
+        not known) to answer for what will run, e.g. `Support.no("no kernel for Q6G64
+        weights")`. Declare it `*, workload=None`: the host passes it by name, and only
+        to a `provides` whose signature takes it, so one taking `device` alone (written
+        before the argument existed) keeps working. `supports` may take it the same way.
+        """
         ...
 
 
@@ -186,10 +214,14 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_store: KVStore,
+        states: StepStates | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] (all sequences flattened) -> hidden states [T, hidden].
 
-        Writes the step's K/V into `kv_store` at `meta.slot_mapping` on the way."""
+        Writes the step's K/V into `kv_store` at `meta.slot_mapping` on the way. `states`:
+        the batch's per-sequence states (in batch order), when the family declares state
+        layers (`ModelFamily.layer_caches`); each state layer reads them and writes the
+        next ones once per forward. None for a model without state layers."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -226,6 +258,12 @@ class ModelFamily(Plugin, Protocol):
 
     #: None: the artifact's tensors are first checked when the weights load.
     check_artifact: CheckArtifact | None = None
+    #: None: every layer keeps paged K/V of the config's `num_kv_heads` x `head_dim`.
+    #: The memory plan, the runtime's allocation and admission all read this one answer.
+    layer_caches: LayerCaches | None = None
+    #: None: the model holds every tensor of the artifact, each as stored (what the memory
+    #: plan counts). A family that fuses, skips or ties tensors says which it holds.
+    weight_slots: WeightSlots | None = None
 
 
 # --------------------------------------------------------------------------
@@ -264,6 +302,11 @@ class KVStore(Protocol):
     #: None: K and V are stored as given. Otherwise they are stored rotated, and
     #: `gather_heads(..., rotated=True)` (then required) returns them still rotated.
     rotation: HeadRotation | None = None
+    #: None: `gather` only casts pages from `dtype` to `compute_dtype` (one more copy
+    #: when they differ). Otherwise the bytes per gathered value it holds beside its
+    #: compute-dtype output while decoding (codes, fp32 temporaries): what `ninfer plan`'s
+    #: workspace estimate counts for it.
+    gather_scratch_bytes: int | None = None
 
 
 @runtime_checkable
@@ -332,8 +375,9 @@ class KernelBackend(Plugin, Protocol):
         ...
 
     #: None: every op, wherever `supports` says yes. Otherwise the ops it provides, each
-    #: with a `Support`; every other op comes from the next backend that provides it,
-    #: and finally from the core's reference (`ninfer_core.kernels.reference`).
+    #: with a `Support` for the device and (when it takes `workload`) for what will run;
+    #: every other op, and every op it refuses, comes from the next backend that serves
+    #: it, and finally from the core's reference (`ninfer_core.kernels.reference`).
     provides: ProvidesOps | None = None
 
 

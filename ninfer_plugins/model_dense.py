@@ -8,12 +8,13 @@ import torch
 
 from ninfer_core import hookimpl
 from ninfer_core.device import DeviceInfo
+from ninfer_core.model.caches import ModelCaches, dense_caches
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.dense import DenseDecoder
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import check_rope
 from ninfer_core.model.weight_budget import check_weights_fit
-from ninfer_core.model.weights import check_weights, load_weights
+from ninfer_core.model.weights import WeightSlot, check_weights, load_weights, weight_plan
 from ninfer_core.plugin_types import Artifact
 from ninfer_core.support import Support
 
@@ -43,6 +44,14 @@ class DenseFamily:
         config's weights fit in what the artifact's tensor headers hold."""
         check_weights(config, artifact)
         check_weights_fit(config, artifact)
+
+    def layer_caches(self, config: ModelConfig) -> ModelCaches:
+        """Paged K/V in every layer."""
+        return dense_caches(config)
+
+    def weight_slots(self, config: ModelConfig) -> list[WeightSlot]:
+        """q/k/v and gate/up fused, a tied head not loaded, MTP layers skipped."""
+        return weight_plan(config)
 
     def build(
         self,

@@ -294,3 +294,11 @@ def test_token_ids_outside_the_vocabulary_are_refused(make_engine):
     for bad in (-1, vocab):
         with pytest.raises(InvalidRequestError, match=str(bad)):
             engine.add(GenerationRequest([1, 2, bad], max_tokens=2))
+
+
+def test_an_unset_pool_holds_the_context_the_model_serves_not_the_one_asked(engine_model):
+    """The tiny model has 1024 positions: --max-context 184320 with no --kv-capacity must
+    size a 1024-token pool, not a 184K one."""
+    eng = tiny_engine(engine_model, max_context=184320, kv_capacity=0)
+    assert eng.max_context == 1024
+    assert eng.block_manager.num_blocks * eng.block_manager.block_size == 1024

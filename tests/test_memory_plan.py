@@ -35,6 +35,7 @@ from ninfer_core.memory import (
 from ninfer_core.memory.planner import mem_available
 from ninfer_core.memory.table import render_table
 from ninfer_core.memory.workspace import profiling_runtime, run_profiling_step
+from ninfer_core.model.caches import ModelCaches, PagedKV, SequenceState, StateTensor, dense_caches
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.weights import weight_plan
 from ninfer_core.plugin_host import create_host
@@ -144,7 +145,7 @@ def plan_8b(host, memory=RTX3090, **kw):
 def test_qwen3_8b_figures_match_a_hand_computation(host):
     assert PARAMS == 8_190_735_360
     assert weights_bytes(CFG, torch.float16) == PARAMS * 2 == 16_381_470_720
-    layers = kv_layers(CFG, host.kv_codecs.get("rk8v4"))
+    layers = kv_layers(dense_caches(CFG), host.kv_codecs.get("rk8v4"))
     # Per layer and token: 8 KV heads x (K int8 128 + 2 scales x 2) + (V int4 64 + 4) bytes.
     assert [(x.layer, x.bytes_per_token) for x in layers] == [
         (i, 8 * (132 + 68)) for i in range(36)
@@ -215,12 +216,43 @@ def test_headroom_is_a_fraction_with_a_floor(host):
     )
 
 
-def test_hybrid_layers_without_per_token_kv_cost_nothing(host):
-    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 9
-    cfg = ModelConfig.from_hf({**QWEN3_8B, "layer_types": types}, qk_norm=True)
-    layers = kv_layers(cfg, host.kv_codecs.get("fp16"))
+def hybrid_caches() -> ModelCaches:
+    """Qwen3-Next-shaped: three linear-attention layers (a conv and a recurrent state per
+    sequence) to each full-attention layer."""
+    state = SequenceState((
+        StateTensor("conv", (3, 8192), torch.bfloat16),
+        StateTensor("recurrent", (32, 128, 128), torch.float32),
+    ))  # fmt: skip
+    kv = PagedKV(8, 128)
+    return ModelCaches((state, state, state, kv) * 9)
+
+
+def test_hybrid_state_layers_cost_per_sequence_not_per_token(host):
+    layers = kv_layers(hybrid_caches(), host.kv_codecs.get("fp16"))
     assert sum(x.bytes_per_token for x in layers) == 9 * 2 * 8 * 128 * 2
-    assert [x.kind for x in layers[:4]] == types[:4]
+    assert [x.kind for x in layers[:4]] == ["state", "state", "state", "paged"]
+    per_seq = 2 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)  # both buffers of kv/state.py
+    assert [x.bytes_per_sequence for x in layers[:4]] == [per_seq] * 3 + [0]
+
+
+def test_plan_counts_state_bytes_times_max_concurrency(host):
+    ws = estimate_workspace(
+        CFG, dtype=torch.float16, kv_codec=host.kv_codecs.get("fp16"),
+        prefill_chunk=1024, context=8192, concurrency=3,
+    )  # fmt: skip
+    memory = DeviceMemory("card", 80 * GIB, 80 * GIB, "test")
+    kw = dict(weights_bytes=GIB, codec=host.kv_codecs.get("fp16"), memory=memory,
+              workspace=ws, max_context=8192, max_concurrency=3)  # fmt: skip
+    dense = plan_memory(CFG, **kw)
+    hybrid = plan_memory(CFG, **kw, caches=hybrid_caches())
+    per_seq = 27 * 2 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
+    assert hybrid.state_bytes_per_sequence == per_seq
+    assert hybrid.state_bytes == 3 * per_seq
+    assert hybrid.used_bytes == GIB + hybrid.pool_bytes + 3 * per_seq + ws.nbytes
+    assert dense.state_bytes == 0
+    assert hybrid.kv_bytes_per_token * 4 == dense.kv_bytes_per_token  # 9 of 36 layers paged
+    table = render_table(hybrid)
+    assert "sequence states" in table and "27 keep" in table
 
 
 def test_kv_capacity_parsing():
@@ -412,3 +444,14 @@ def test_workspace_counts_the_decode_rows_padded_context(host):
         concurrency=2,
     )  # fmt: skip
     assert ws.nbytes == workspace_by_hand(184320, keys=196608) > workspace_by_hand(184320)
+
+
+def test_a_max_context_past_the_models_positions_is_clamped_with_a_warning(capsys):
+    """The built-in model holds 2048 positions: --max-context 184320 must not size a
+    184K-token pool, and startup says so."""
+    assert main(["plan", "--max-context", "184320", "--json", "--kv-dtype", "fp16"]) == 0
+    out = capsys.readouterr()
+    plan = json.loads(out.out)
+    assert plan["max_context"] == 2048 and plan["pool_tokens"] == 2048
+    assert "--max-context 184320 is more than the 2048 positions" in out.err
+    assert "serving 2048" in out.err

@@ -19,6 +19,7 @@ from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.errors import NInferError
+from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.memory.planner import (
     MemoryConfig,
     MemoryPlan,
@@ -55,6 +56,7 @@ def _packed_bytes(
     backend: str,
     dtype: torch.dtype,
     kernel: str | None = None,
+    workload: KernelWorkload | None = None,
 ) -> PackedBytes | None:
     """What the kernel backend packs each projection into, or None: it repacks nothing.
 
@@ -68,7 +70,8 @@ def _packed_bytes(
 
     if device.cuda is not None:
         return None
-    [linear] = [c for c in plan_kernels(host, device, backend, kernel) if c.op == "linear"]
+    choices = plan_kernels(host, device, backend, kernel, workload=workload)
+    [linear] = [c for c in choices if c.op == "linear"]
     if linear.backend in host.kernel_backends:
         ops = host.kernel_backends.get(linear.backend).create_ops(device)
     else:  # the core's reference, with no `torch` backend registered
@@ -90,6 +93,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     from ninfer_core.builtin_model import default_model
     from ninfer_core.device import probe_device, simulated_device
     from ninfer_core.loading import DTYPES, compute_dtype, family_and_config, open_artifact
+    from ninfer_core.model.caches import caches_for
     from ninfer_core.plugin_host import create_host
     from ninfer_core.selection import choose
 
@@ -110,10 +114,19 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     codec = host.kv_codecs.get(codec_name)
     path = ns.model or str(default_model())
     artifact = open_artifact(host, path)
-    _, config = family_and_config(host, artifact)
+    family, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
-    packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel)
+    # The linear kernel the load would choose for these weights (formats from the headers).
+    workload = workload_for(artifact, dtype, codec_name)
+    packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel, workload)
     context = engine.context_for(config.max_position_embeddings)
+    if context < engine.max_context:
+        # Sized and served for what the model can hold, never for what was asked.
+        sys.stderr.write(
+            f"warning: --max-context {engine.max_context} is more than the "
+            f"{config.max_position_embeddings} positions {path} was trained for; "
+            f"serving {context}\n"
+        )
     workspace = estimate_workspace(
         config,
         dtype=dtype,
@@ -125,7 +138,9 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     )
     plan = plan_memory(
         config,
-        weights_bytes=weights_bytes(config, dtype, artifact=artifact, packed_bytes=packed),
+        weights_bytes=weights_bytes(
+            config, dtype, artifact=artifact, packed_bytes=packed, family=family
+        ),
         weights_dtype={v: k for k, v in DTYPES.items()}[dtype],
         codec=codec,
         memory=device_memory(device, memory_budget=memory_cfg.memory_budget),
@@ -135,6 +150,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
         kv_capacity=capacity,
         block_size=engine.block_size,
         headroom_fraction=memory_cfg.memory_headroom,
+        caches=caches_for(family, config),
     )
     about = {"model": str(path), "architecture": config.architecture}
     return plan, about

@@ -40,12 +40,3 @@ class EngineConfig:
         the model was trained for. The plan and the engine both read it here, so the plan
         printed at startup sizes the same context the engine then enforces."""
         return min(self.max_context, model_max_positions)
-
-    @property
-    def pool_tokens(self) -> int:
-        """The KV pool's token capacity (`kv_capacity`, or one full context when 0)."""
-        return self.kv_capacity or self.max_context
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.pool_tokens // self.block_size)

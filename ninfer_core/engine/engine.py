@@ -84,13 +84,16 @@ class Engine(StepThread):
         self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
         self.max_context = config.context_for(model_cfg.max_position_embeddings)
         self.vocab_size = model_cfg.vocab_size
-        spec = RuntimeSpec(num_blocks=config.num_blocks, block_size=config.block_size,
-                           kv_dtype=kv_dtype, prefix_cache=config.prefix_cache)  # fmt: skip
+        # Unset, the pool holds one context the model can serve, not the one asked for.
+        spec = RuntimeSpec.for_tokens(
+            config.kv_capacity or self.max_context, config.block_size, kv_dtype=kv_dtype,
+            prefix_cache=config.prefix_cache, max_sequences=config.max_concurrency,
+        )  # fmt: skip
         self.runtime = build_runtime(loaded, host, device, spec)
         self.kv_codec = self.runtime.kv_codec
         self.block_manager = self.runtime.block_manager
         self.runner = self.runtime.runner
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.runtime.states)
         self.sampler = Sampler(seed)
         self.counters = EngineCounters()
         self._lock = threading.Lock()
@@ -363,6 +366,10 @@ class Engine(StepThread):
         return results
 
     def check_invariants(self) -> None:
-        """The block manager's checks, with every live sequence as the holders."""
+        """The block manager's checks, with every live sequence as the holders, and the
+        state pool's, with the running sequences' slots as the held ones."""
         with self._lock:
             self.block_manager.check_invariants(list(self.scheduler))
+            if self.runtime.states is not None:
+                held = [s.state_slot for s in self.scheduler.running]
+                self.runtime.states.check_invariants(held)

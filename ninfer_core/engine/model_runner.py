@@ -8,6 +8,7 @@ import torch
 
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.sequence import Sequence
+from ninfer_core.kv.state import SequenceStatePool
 from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.model.attention_meta import AttentionMetadata
 
@@ -20,10 +21,18 @@ class ModelRunner:
     so the layer loop never waits on the host.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_store, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_store,
+        block_manager: BlockManager,
+        states: SequenceStatePool | None = None,
+    ) -> None:
         self.model = model
         self.kv_store = kv_store
         self.block_manager = block_manager
+        #: Per-sequence states of the state layers (each running sequence holds a slot).
+        self.states = states
         self.device = next(model.parameters()).device
         #: On the CPU, what evicted oneDNN kernels and a prefill's temporaries free goes back
         #: to the kernel (memory/heap.py). Here, not in a kernel backend: the heap is the
@@ -65,10 +74,16 @@ class ModelRunner:
         if self.heap is not None and any(n > 1 for _, n in batch):
             self.heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
+        if self.states is None:
+            hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
+        else:
+            step = self.states.step([seq.state_slot for seq, _ in batch])
+            hidden = self.model(input_ids, positions, meta, self.kv_store, states=step)
         if not all_tokens:
             hidden = hidden[meta.query_start_loc[1:].long() - 1]  # [B]: each final row
         logits = self.model.compute_logits(hidden)
+        if self.states is not None:
+            step.commit()  # only now: a forward that raised left every state as it was
         for seq, n in batch:
             seq.num_computed_tokens += n
         return logits

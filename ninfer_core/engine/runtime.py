@@ -22,6 +22,8 @@ from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
+from ninfer_core.kv.state import SequenceStatePool
+from ninfer_core.model.caches import ModelCaches, caches_for, dense_caches
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_types import KVStore
 
@@ -41,6 +43,9 @@ class RuntimeSpec:
     #: `--kv-dtype`: a codec name, or `auto` (the model's compute precision).
     kv_dtype: str = "auto"
     prefix_cache: bool = False
+    #: Sequences that run at once (`--max-concurrency`): the slots of the per-sequence
+    #: state pool, for a model whose family declares state layers.
+    max_sequences: int = 1
 
     @classmethod
     def for_tokens(cls, tokens: int, block_size: int = 16, **kw: Any) -> RuntimeSpec:
@@ -56,6 +61,10 @@ class Runtime:
     kv_store: KVStore
     block_manager: BlockManager
     runner: ModelRunner
+    #: What each layer keeps (paged K/V or a per-sequence state), as the family declared.
+    caches: ModelCaches
+    #: The per-sequence states of the state layers; None when every layer is paged.
+    states: SequenceStatePool | None = None
 
     @property
     def layout(self) -> KVLayout:
@@ -80,9 +89,16 @@ def build_runtime(
     loaded: LoadedModel, host: PluginHost, device: DeviceInfo, spec: RuntimeSpec
 ) -> Runtime:
     """The runtime for `loaded` on `device`, its codec chosen through `host`."""
+    from ninfer_core.kernels.compose import check_kv_codec
+
     name = choose_kv_codec(host, device, spec.kv_dtype, loaded.dtype)
     codec = host.kv_codecs.get(name)
-    return assemble_runtime(loaded.model, loaded.config, loaded.dtype, codec, spec, name=name)
+    # Attention was composed at load for the codec `--kv-dtype` named then.
+    check_kv_codec(host, device, loaded.kernels, loaded.workload, name)
+    caches = caches_for(loaded.family, loaded.config)
+    return assemble_runtime(
+        loaded.model, loaded.config, loaded.dtype, codec, spec, name=name, caches=caches
+    )
 
 
 def assemble_runtime(
@@ -93,21 +109,34 @@ def assemble_runtime(
     spec: RuntimeSpec,
     *,
     name: str | None = None,
+    caches: ModelCaches | None = None,
 ) -> Runtime:
     """Wire `model` (built for `config`, computing in `dtype`) to a pool encoded by `codec`.
+
+    `caches`: what each layer keeps, as its family declares (None: paged K/V in every
+    layer). The pool holds the paged layers only; the state layers get a
+    `SequenceStatePool` of `spec.max_sequences` slots. The prefix cache stays off for a
+    model with state layers: a prefix found in the cache would skip the tokens that
+    build the state, and a state is not kept per block.
 
     The store lives on the model's device, so the forward never copies K/V across devices;
     it is checked against the `KVStore` contract before anything runs on it. The prefix
     cache's salt names the codec: pages encoded differently never share a key.
     """
     name = name or codec.name
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+    caches = caches or dense_caches(config)
+    kv = caches.kv_geometry
+    if kv is None:
+        raise ValueError("a model without any paged K/V layer is not supported yet")
+    layout = KVLayout(len(caches.paged_layers), kv.num_kv_heads, kv.head_dim,
                       spec.block_size, spec.num_blocks)  # fmt: skip
     where = next(model.parameters()).device
     store = codec.allocate(layout, where, compute_dtype=dtype)
     conformance.check(store, KVStore, f"the KV store codec {name!r} allocated")
+    states = SequenceStatePool(caches, spec.max_sequences, where) if caches.has_state else None
     blocks = BlockManager(
-        spec.num_blocks, spec.block_size, enable_prefix_cache=spec.prefix_cache,
-        salt=f"kv-codec={name}",
+        spec.num_blocks, spec.block_size,
+        enable_prefix_cache=spec.prefix_cache and states is None, salt=f"kv-codec={name}",
     )  # fmt: skip
-    return Runtime(name, store, blocks, ModelRunner(model, store, blocks))
+    runner = ModelRunner(model, store, blocks, states)
+    return Runtime(name, store, blocks, runner, caches, states)

@@ -13,7 +13,9 @@ It sees `Sequence`s and the `BlockManager`'s page counts, never a tensor. Per st
    prefilled beside it.
 
 Reserving `max_tokens` at admission means a running sequence never runs out of pages, so
-nothing is ever preempted or recomputed.
+nothing is ever preempted or recomputed. A model with state layers also needs a free slot
+of the per-sequence state pool to admit a sequence; the slot is zeroed when taken and given
+back when the sequence ends, however it ends.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
+from ninfer_core.kv.state import SequenceStatePool
 
 #: The derived pending timeout (`pending_timeout_ms = 0`) is this many times the estimated wait,
 #: and never less than MIN_PENDING_TIMEOUT_S: prefill slows as the context grows, and
@@ -84,9 +87,15 @@ class StepCosts:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        states: SequenceStatePool | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.states = states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()
@@ -127,6 +136,9 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def default_deadline(self, now: float) -> float:
         """When a request queued now times out, if neither it nor the config says."""
@@ -171,6 +183,8 @@ class Scheduler:
                 break
             seq = self.waiting.popleft()
             self.block_manager.admit(seq)
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
@@ -183,6 +197,8 @@ class Scheduler:
         return sum(max(0, bm.blocks_for(s.max_length) - len(s.block_table)) for s in self.running)
 
     def _fits(self, seq: Sequence) -> bool:
+        if self.states is not None and not self.states.num_free:
+            return False
         bm = self.block_manager
         hits, idle_hits = bm.match_prefix(seq)
         # Idle hits stop being evictable once taken, so they leave the unclaimed count.

@@ -54,6 +54,9 @@ class Sequence:
         #: Its prefix-cache chain starts from a root salted with this (None: the pool's root),
         #: so it shares blocks only with sequences of the same salt.
         self.cache_salt = cache_salt
+        #: Its slot in the runtime's per-sequence state pool while it runs (a model with
+        #: state layers); None otherwise.
+        self.state_slot: int | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -2,7 +2,9 @@
 
 The plan is pure accounting over numbers its caller gathers: the weights' bytes (from the
 artifact's shapes, formats and object sizes and the kernel backend's packing, never its
-data), the KV codec's bytes per token, layer by layer, the activation workspace
+data), the KV codec's bytes per token of each layer that keeps paged K/V and the state
+bytes of each layer that keeps a per-sequence state (times `--max-concurrency`: every
+running sequence holds one), both from the family's `layer_caches`, the activation workspace
 (`workspace.py`) and the memory free on the device. So `ninfer plan` can answer for a
 card this machine does not have, and `ninfer-serve` can refuse a configuration that will
 not fit before it loads a single weight.
@@ -27,9 +29,11 @@ import torch
 
 from ninfer_core.config import opt
 from ninfer_core.errors import NInferError
+from ninfer_core.kv.state import STATE_BUFFERS
 from ninfer_core.memory.workspace import Workspace
+from ninfer_core.model.caches import ModelCaches, PagedKV, dense_caches
 from ninfer_core.model.config import ModelConfig
-from ninfer_core.plugin_types import Artifact
+from ninfer_core.plugin_types import Artifact, ModelFamily
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.recipes import source_format
 
@@ -40,8 +44,6 @@ MIB = 1 << 20
 DEFAULT_HEADROOM = 0.03
 #: The headroom never goes below this, however small the budget.
 HEADROOM_FLOOR = 256 * MIB
-#: Layer kinds (`config.json` `layer_types`) that keep a fixed-size state, not per-token KV.
-NO_PER_TOKEN_KV = frozenset({"linear_attention"})
 #: On the CPU, the most of the available memory `--kv-capacity auto` gives the KV pool:
 #: host RAM is shared with the rest of the machine, which must stay usable.
 CPU_AUTO_POOL_FRACTION = 0.25
@@ -115,23 +117,26 @@ class KVCodecLike(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LayerKV:
-    """What one layer stores per cached token (0 for a layer with a fixed-size state)."""
+    """What one layer keeps: bytes per cached token (`paged`), or per running sequence
+    (`state`, both of its buffers: `kv/state.py`)."""
 
     layer: int
     kind: str
     bytes_per_token: int
+    bytes_per_sequence: int = 0
 
 
-def kv_layers(config: ModelConfig, codec: KVCodecLike) -> list[LayerKV]:
-    """Per-layer KV cost, so a hybrid model counts only the layers that keep per-token KV."""
-    kinds = config.raw.get("layer_types")
-    if not isinstance(kinds, list) or len(kinds) != config.num_layers:
-        kinds = ["full_attention"] * config.num_layers
-    per_layer = codec.bytes_per_token(1, config.num_kv_heads, config.head_dim)
-    return [
-        LayerKV(i, str(kind), 0 if kind in NO_PER_TOKEN_KV else per_layer)
-        for i, kind in enumerate(kinds)
-    ]
+def kv_layers(caches: ModelCaches, codec: KVCodecLike) -> list[LayerKV]:
+    """Per-layer cost from the family's declaration: a hybrid model's state layers cost
+    per sequence, not per token."""
+    out = []
+    for i, cache in enumerate(caches.layers):
+        if isinstance(cache, PagedKV):
+            per_token = codec.bytes_per_token(1, cache.num_kv_heads, cache.head_dim)
+            out.append(LayerKV(i, "paged", per_token))
+        else:
+            out.append(LayerKV(i, "state", 0, STATE_BUFFERS * cache.nbytes))
+    return out
 
 
 #: Parameters the kernel backend's `pack_linear` sees (`DenseDecoder.pack_weights`): a
@@ -153,13 +158,32 @@ class _Param:
     stored: int  # bytes of its tensors as the artifact stores them
 
 
-def _params(config: ModelConfig, dtype: torch.dtype, artifact: Artifact | None) -> list[_Param]:
+def _slots(config: ModelConfig, artifact: Artifact | None, family: ModelFamily | None) -> list:
+    """The tensors the model holds: as the family declares (`weight_slots`; a dense
+    decoder's when there is no family), checked against the artifact; every tensor of the
+    artifact, each its own parameter, for a family that declares none."""
+    from ninfer_core.model.weights import WeightSlot, check_weights, weight_plan
+
+    declared = weight_plan if family is None else family.weight_slots
+    if declared is None:
+        if artifact is None:
+            raise MemoryPlanError(f"family {family.name!r} sizes its weights from the artifact")
+        names = artifact.tensor_names()
+        return [WeightSlot(n, n, 0, tuple(artifact.tensor_shape(n))) for n in names]
+    plan = declared(config)
+    return plan if artifact is None else check_weights(config, artifact, plan)
+
+
+def _params(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    artifact: Artifact | None,
+    family: ModelFamily | None = None,
+) -> list[_Param]:
     """Every parameter with its fused shape; formats and stored sizes from the artifact
     (a `.ninfer` names each tensor's format and object size), else dense `dtype`."""
-    from ninfer_core.model.weights import check_weights, weight_plan
-
     dense = source_format(dtype)
-    slots = weight_plan(config) if artifact is None else check_weights(config, artifact)
+    slots = _slots(config, artifact, family)
     # Optional members of the `Artifact` contract: declared by every artifact, None when
     # the artifact has nothing to say (every tensor dense, sizes from shapes).
     fmt_of = artifact.tensor_format if artifact is not None else None
@@ -189,6 +213,7 @@ def weights_bytes(
     *,
     artifact: Artifact | None = None,
     packed_bytes: PackedBytes | None = None,
+    family: ModelFamily | None = None,
 ) -> int:
     """Bytes the runtime holds for the weights, as loaded and then packed.
 
@@ -203,7 +228,7 @@ def weights_bytes(
     its own copy costs them on top of the embedding. None: nothing is repacked.
     """
     total = 0
-    for param in _params(config, dtype, artifact):
+    for param in _params(config, dtype, artifact, family):
         packed = None
         tied_head = param.name == "embed_tokens" and config.tie_word_embeddings
         projection = tied_head or param.name.rpartition(".")[2] in PACKED_PARAMS
@@ -314,6 +339,15 @@ class MemoryPlan:
         return sum(layer.bytes_per_token for layer in self.kv_layers)
 
     @property
+    def state_bytes_per_sequence(self) -> int:
+        return sum(layer.bytes_per_sequence for layer in self.kv_layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """The per-sequence state pool: one slot per sequence that may run at once."""
+        return self.state_bytes_per_sequence * self.max_concurrency
+
+    @property
     def pool_tokens(self) -> int:
         return self.pool_pages * self.block_size
 
@@ -323,7 +357,10 @@ class MemoryPlan:
 
     @property
     def used_bytes(self) -> int:
-        return self.weights_bytes + self.pool_bytes + self.workspace.nbytes + self.runtime_bytes
+        return (
+            self.weights_bytes + self.pool_bytes + self.state_bytes + self.workspace.nbytes
+            + self.runtime_bytes
+        )  # fmt: skip
 
     @property
     def free_after_bytes(self) -> int:
@@ -332,7 +369,8 @@ class MemoryPlan:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["workspace"] = self.workspace.to_json()
-        for name in ("kv_bytes_per_token", "pool_tokens", "pool_bytes", "free_after_bytes"):
+        for name in ("kv_bytes_per_token", "pool_tokens", "pool_bytes", "state_bytes_per_sequence",
+                     "state_bytes", "free_after_bytes"):  # fmt: skip
             out[name] = getattr(self, name)
         return out
 
@@ -355,11 +393,14 @@ def plan_memory(
     weights_dtype: str = "",
     headroom_fraction: float = DEFAULT_HEADROOM,
     headroom_floor: int = HEADROOM_FLOOR,
+    caches: ModelCaches | None = None,
 ) -> MemoryPlan:
     """Size the KV pool and check that everything fits; raise a `MemoryPlanError` if not.
 
     `kv_capacity`: tokens (rounded up to whole pages of `block_size`), `"auto"` (the
-    largest whole number of pages that fits), or None (`max_context`).
+    largest whole number of pages that fits), or None (`max_context`). `caches`: what
+    each layer keeps, as the model's family declares (None: paged K/V in every layer);
+    the per-sequence states of `max_concurrency` sequences come off the top.
     """
     if min(max_context, max_concurrency, block_size) <= 0:
         raise MemoryPlanError("--max-context, --max-concurrency and --block-size must be positive")
@@ -370,11 +411,12 @@ def plan_memory(
         raise CapacityBelowContextError(
             f"--kv-capacity {capacity} is smaller than --max-context {max_context}"
         )
-    layers = tuple(kv_layers(model, codec))
+    layers = tuple(kv_layers(caches or dense_caches(model), codec))
     page_bytes = block_size * sum(layer.bytes_per_token for layer in layers)
+    states = max_concurrency * sum(layer.bytes_per_sequence for layer in layers)
     headroom = max(int(memory.free * headroom_fraction), headroom_floor)
     runtime = cpu_runtime_bytes() if memory.host_ram else 0
-    left = memory.free - weights_bytes - workspace.nbytes - runtime - headroom
+    left = memory.free - weights_bytes - states - workspace.nbytes - runtime - headroom
     context_pages = -(-max_context // block_size)
     if left < 0:
         largest = 0
@@ -383,6 +425,7 @@ def plan_memory(
     else:
         largest = left // page_bytes
     spent = f"weights {_gib(weights_bytes)}, workspace {_gib(workspace.nbytes)}"
+    spent += f", sequence states {_gib(states)}" if states else ""
     spent += f", CPU runtime {_gib(runtime)}" if runtime else ""
     spent += f" and headroom {_gib(headroom)} GiB"
     reason = ""

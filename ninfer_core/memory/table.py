@@ -9,14 +9,17 @@ from ninfer_core.memory.planner import GIB, MemoryPlan
 
 
 def kv_summary(plan: MemoryPlan) -> str:
-    """`rk8v4: 57600 bytes/token (36 layers x 1600)`, naming layers without per-token KV."""
-    keep = [layer for layer in plan.kv_layers if layer.bytes_per_token]
+    """`rk8v4: 57600 bytes/token (36 layers x 1600)`, naming the layers that keep a
+    per-sequence state instead."""
+    keep = [layer for layer in plan.kv_layers if layer.kind == "paged"]
     sizes = sorted({layer.bytes_per_token for layer in keep})
     each = f" x {sizes[0]}" if len(sizes) == 1 else ""
     if len(keep) == len(plan.kv_layers):
         layers = f"{len(keep)} layers{each}"
     else:
         layers = f"{len(keep)} of {len(plan.kv_layers)} layers keep per-token KV{each}"
+        stateful = len(plan.kv_layers) - len(keep)
+        layers += f"; {stateful} keep {plan.state_bytes_per_sequence} bytes per sequence"
     return f"{plan.kv_codec}: {plan.kv_bytes_per_token} bytes/token ({layers})"
 
 
@@ -38,6 +41,15 @@ def rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
             plan.pool_bytes,
             f"{plan.pool_tokens} tokens = {plan.pool_pages} pages x {plan.block_size} ({chosen})",
         ),
+    ]
+    if plan.state_bytes:
+        out.append((
+            "sequence states",
+            plan.state_bytes,
+            f"{plan.max_concurrency} x {plan.state_bytes_per_sequence} bytes "
+            "(--max-concurrency x the state layers' bytes, double-buffered)",
+        ))  # fmt: skip
+    out += [
         (
             "activation workspace",
             ws.nbytes,

@@ -104,8 +104,10 @@ class DenseDecoder(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_store,
+        states=None,
     ) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, hidden]
+        # input_ids, positions: [T] -> hidden: [T, hidden]; `states` is unused: every
+        # layer keeps paged K/V (`dense_caches`)
         self.ops.prepare(meta)
         cos, sin = self.rotary(positions, self.dtype)  # cos, sin: [T, D/2], once per step
         if isinstance(self.embed_tokens, QuantizedTensor):

@@ -84,9 +84,12 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def check_weights(config: ModelConfig, artifact: Artifact) -> list[WeightSlot]:
-    """The plan, after checking every tensor exists with the expected shape."""
-    plan = weight_plan(config)
+def check_weights(
+    config: ModelConfig, artifact: Artifact, plan: list[WeightSlot] | None = None
+) -> list[WeightSlot]:
+    """The plan (a dense decoder's when None), after checking every tensor exists with
+    the expected shape."""
+    plan = weight_plan(config) if plan is None else plan
     names = set(artifact.tensor_names())
     for slot in plan:
         if slot.hf_name not in names:
