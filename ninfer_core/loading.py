@@ -17,6 +17,8 @@ from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.errors import ModelLoadError, UnknownNameError
 from ninfer_core.kernels.compose import OpChoice, backend_summary, compose_ops, plan_kernels
+from ninfer_core.kernels.workload import KernelWorkload, workload_for
+from ninfer_core.kv import kv_codec_name
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.plugin_types import Artifact, CausalLM, KernelOps, ModelFamily
@@ -38,8 +40,11 @@ class LoadedModel:
     #: The backend serving every op, or `op=name,...` when several do (see `kernels`).
     backend: str
     load_seconds: float
-    #: Which backend serves each op, and why (`ninfer_core.kernels.compose`).
+    #: Which backend serves each op, and why (`ninfer_core.kernels.compose`): the one
+    #: record of the choice that `ninfer-serve`'s startup and every bench print.
     kernels: list[OpChoice] = field(default_factory=list)
+    #: What the kernels were chosen for: weight formats, KV codec, compute dtype.
+    workload: KernelWorkload = field(default_factory=KernelWorkload)
 
 
 def compute_dtype(name: str, device: DeviceInfo) -> torch.dtype:
@@ -104,9 +109,14 @@ def load_model(
     start = time.perf_counter()
     artifact = open_artifact(host, path)
     family, config = family_and_config(host, artifact)
-    kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel)
-    ops = compose_ops(host, device, kernels)  # checked against the KernelOps contract
     dtype = compute_dtype(runtime.dtype, device)
+    # The kernels are chosen for what will run: the artifact's weight formats (headers
+    # only), the codec `--kv-dtype` names (resolved as the engine resolves `auto`) and
+    # the compute dtype. A runtime later built over another codec is checked against
+    # this choice (`compose.check_kv_codec`).
+    workload = workload_for(artifact, dtype, kv_codec_name(runtime.kv_dtype, dtype))
+    kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel, workload=workload)
+    ops = compose_ops(host, device, kernels)  # checked against the KernelOps contract
     model = family.build(config, ops, dtype)
     conformance.check(model, CausalLM, f"the model built by family {family.name!r}")
     family.load_weights(model, artifact)
@@ -123,4 +133,5 @@ def load_model(
         backend=backend_summary(kernels),
         load_seconds=time.perf_counter() - start,
         kernels=kernels,
+        workload=workload,
     )

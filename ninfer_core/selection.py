@@ -5,18 +5,28 @@ strategy) where one candidate is chosen, and *pooled* ones (artifact readers,
 model families, frontends) where every supported candidate stays available.
 A configured choice that the device refuses fails here, at startup, with the
 reason and the names of the alternatives.
+
+Kernel backends are also asked about the run (`KernelWorkload`: weight formats, KV
+codec, compute dtype). Like a hook that grew an argument in pluggy, a method is passed
+such a later argument by name only when its signature takes it (`call_accepting`), so
+a plugin written before the argument existed keeps working.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ninfer_core.device import DeviceInfo
 from ninfer_core.errors import UnsupportedChoiceError
 from ninfer_core.hookspecs import EXTENSION_POINTS, exclusive_points
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.support import Support
+
+if TYPE_CHECKING:
+    from ninfer_core.kernels.workload import KernelWorkload
 
 Status = Literal["chosen", "available", "refused", "not chosen"]
 
@@ -45,10 +55,36 @@ class PointReport:
         return asdict(self)
 
 
-def ask_supports(obj: Any, device: DeviceInfo) -> Support:
-    """`obj.supports(device)`, with a crashing or malformed probe read as a refusal."""
+def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` takes an argument `name` by keyword (a parameter so named, or
+    `**kwargs`)."""
     try:
-        support = obj.supports(device)
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
+        return False
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == name and p.kind in keyword)
+        for p in params
+    )
+
+
+def call_accepting(fn: Callable[..., Any], *args: Any, **optional: Any) -> Any:
+    """`fn(*args, **optional)`, each optional argument passed only if `fn` takes it: how
+    a contract's method grows an argument without breaking the plugins written before."""
+    return fn(*args, **{k: v for k, v in optional.items() if accepts_keyword(fn, k)})
+
+
+def ask_supports(
+    obj: Any, device: DeviceInfo, *, workload: KernelWorkload | None = None
+) -> Support:
+    """`obj.supports(device)`, with a crashing or malformed probe read as a refusal;
+    `workload` goes to a `supports` that takes it (kernel backends, see the module doc)."""
+    try:
+        if workload is None:
+            support = obj.supports(device)
+        else:
+            support = call_accepting(obj.supports, device, workload=workload)
     except Exception as exc:  # a probe that crashes refuses, it does not crash the host
         return Support.no(f"supports() raised {type(exc).__name__}: {exc}")
     if not isinstance(support, Support):
@@ -63,15 +99,25 @@ def default_kv_codec(device: DeviceInfo) -> str:
     return "bf16"
 
 
-def choose(host: PluginHost, point: str, device: DeviceInfo, requested: str | None) -> PointReport:
+def choose(
+    host: PluginHost,
+    point: str,
+    device: DeviceInfo,
+    requested: str | None,
+    *,
+    workload: KernelWorkload | None = None,
+) -> PointReport:
     """Report every candidate of `point`; for an exclusive point, pick one.
 
     `requested` is the configured name, `"auto"` (best supported) or None (nothing
     wanted: e.g. no `--spec`). A requested name that is unknown or refused raises.
+    `workload`: what will run, for the kernel backends' `supports`.
     """
     registry = host.registries[point]
     kind = EXTENSION_POINTS[point].kind
-    checks = {e.name: (ask_supports(e.obj, device), e) for e in registry.entries()}
+    checks = {
+        e.name: (ask_supports(e.obj, device, workload=workload), e) for e in registry.entries()
+    }
     supported = [n for n, (s, _) in checks.items() if s.ok]
     chosen: str | None = None
     if point in EXCLUSIVE and requested not in (None, "none"):
@@ -122,18 +168,30 @@ def device_name(device: DeviceInfo) -> str:
     return "the CPU"
 
 
-def probe(host: PluginHost, device: DeviceInfo, **requested: str | None) -> list[PointReport]:
+def probe(
+    host: PluginHost,
+    device: DeviceInfo,
+    *,
+    workload: KernelWorkload | None = None,
+    **requested: str | None,
+) -> list[PointReport]:
     """The whole selection, in the order `ninfer probe` prints it.
 
     `requested` maps each exclusive point's option, as an argparse destination
     (`gemm_backend`, `kv_dtype`, `spec`), to the configured name; an absent one gets
-    its point's `default`.
+    its point's `default`. `workload`: what will run, for the kernel backends.
     """
     dests = {p.dest for p in exclusive_points()}
     unknown = set(requested) - dests
     if unknown:
         raise TypeError(f"probe() got unknown choices {sorted(unknown)}; known: {sorted(dests)}")
     return [
-        choose(host, name, device, requested.get(p.dest or "", p.default))
+        choose(
+            host,
+            name,
+            device,
+            requested.get(p.dest or "", p.default),
+            workload=workload if name == "kernel_backends" else None,
+        )
         for name, p in EXTENSION_POINTS.items()
     ]

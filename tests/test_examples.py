@@ -8,11 +8,13 @@ separate distributions, and only an installed one has the entry point under test
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 
 import httpx
 import pytest
+import torch
 from serve_fixtures import make_state, serving, write_serve_model
 from text_fixtures import reference_tokenizer
 
@@ -20,6 +22,7 @@ from ninfer_core.cli.main import main
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import probe_device
 from ninfer_core.engine import Engine, EngineConfig, GenerationRequest
+from ninfer_core.kernels.compose import OPS
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 KV_CODEC_DIST = "ninfer-example-kv-codec"
 ROUTE_DIST = "ninfer-example-route"
+LINEAR_DIST = "ninfer-example-linear"
 NEW = 24
 RAW = "the weather today"
 
@@ -127,3 +131,79 @@ def test_route_example_costs_nothing_until_a_server_asks_for_routes():
             "print('ninfer_example_route.routes' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny_checkpoint(request, tmp_path_factory):
+    """(folder, transformers model): the fp32 parity checkpoints of test_model_parity."""
+    from checkpoints import load_reference, write_tiny_llama, write_tiny_qwen3
+
+    writer = {"qwen3": write_tiny_qwen3, "llama": write_tiny_llama}[request.param]
+    path = writer(tmp_path_factory.mktemp(request.param))
+    return path, load_reference(path)
+
+
+@installed(LINEAR_DIST)
+def test_linear_example_keeps_fp32_parity_with_transformers(tiny_checkpoint):
+    """`--kernel linear=example-linear`: every projection through the example's `F.linear`,
+    everything else through the core's reference; logits within the reference's tolerance
+    of transformers, prefill and decode through the paged KV cache."""
+    from test_model_parity import BLOCK, TOL, max_err, prompt, reference_logits
+
+    from ninfer_core.engine import RuntimeSpec, Sequence, build_runtime
+
+    path, ref = tiny_checkpoint
+    host, device = create_host(), probe_device(use_cuda=False)
+    assert not [f for f in host.failures if f.distribution == LINEAR_DIST]
+    runtime = RuntimeConfig(dtype="fp32", kv_dtype="fp32", kernel="linear=example-linear")
+    loaded = load_model(path, host=host, device=device, runtime=runtime)
+    served = {c.op: c.backend for c in loaded.kernels}
+    assert served == {op: "torch" for op in OPS} | {"linear": "example-linear"}
+    assert type(loaded.ops.linear.__self__).__module__ == "ninfer_example_linear"
+    assert type(loaded.ops.paged_attention.__self__).__module__ == "ninfer_core.kernels.reference"
+    rt = build_runtime(loaded, host, device, RuntimeSpec(48, BLOCK))
+    ids = prompt(64)
+    seq = Sequence(ids)
+    got = torch.cat(
+        [rt.runner.run([(seq, 40)], all_tokens=True)]
+        + [rt.runner.run([(seq, 1)]) for _ in range(24)]
+    )
+    assert max_err(got, reference_logits(ref, ids)) <= TOL
+
+
+@installed(LINEAR_DIST)
+def test_linear_example_in_probe_and_unpicked_by_default(capsys):
+    """`ninfer probe` shows `linear` served by the example and every other op by the
+    reference; its priority is below the reference's, so nothing picks it unasked."""
+    host = create_host()
+    [entry] = [e for e in host.kernel_backends.entries() if e.name == "example-linear"]
+    assert entry.distribution == LINEAR_DIST
+    assert main(["probe", "--kernel", "linear=example-linear"]) == 0
+    out = capsys.readouterr().out
+    assert "linear: example-linear - --kernel linear=example-linear: F.linear" in out
+    for op in OPS:
+        if op != "linear":
+            assert f"{op}: torch (reference)" in out
+    assert "kernel backends -> linear=example-linear,attention=torch," in out
+    assert main(["probe", "--json"]) == 0
+    ops = {r["op"]: r["backend"] for r in json.loads(capsys.readouterr().out)["kernel_ops"]}
+    assert ops == dict.fromkeys(OPS, "torch")
+
+
+@installed(LINEAR_DIST)
+def test_linear_example_refuses_quantized_weights_with_the_reason():
+    from ninfer_core.errors import UnsupportedChoiceError
+    from ninfer_core.kernels.compose import plan_kernels
+    from ninfer_core.kernels.workload import KernelWorkload
+
+    host, device = create_host(), probe_device(use_cuda=False)
+    q4 = KernelWorkload(frozenset({"bf16", "Q4G64"}), "bf16", torch.bfloat16)
+    with pytest.raises(UnsupportedChoiceError) as info:
+        plan_kernels(host, device, "auto", "linear=example-linear", workload=q4)
+    message = str(info.value)
+    assert "no kernel for Q4G64 weights (dense only)" in message
+    assert "alternatives: torch" in message
+    dense = KernelWorkload(frozenset({"bf16"}), "bf16", torch.bfloat16)
+    [linear] = [c for c in plan_kernels(host, device, "example-linear", workload=dense)
+                if c.op == "linear"]  # fmt: skip
+    assert linear.backend == "example-linear"

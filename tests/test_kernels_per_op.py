@@ -24,9 +24,11 @@ from ninfer_core.engine import RuntimeSpec, Sequence, assemble_runtime
 from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
 from ninfer_core.kernels.compose import OPS, ComposedOps, compose_ops, plan_kernels
 from ninfer_core.kernels.reference import TorchOps
+from ninfer_core.kernels.workload import KernelWorkload
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.plugin_types import KernelBackend, KernelOps
+from ninfer_core.selection import accepts_keyword, call_accepting
 from ninfer_core.support import Support
 
 CPU = probe_device(use_cuda=False)
@@ -193,3 +195,188 @@ def test_fp32_parity_with_the_linear_only_backend(ckpt):
     )
     assert max_err(got, reference_logits(ref, ids)) <= TOL
     assert loaded.ops.linear.__self__.calls > 0
+
+
+# -- what will run: weight formats, KV codec, compute dtype -----------------------------------
+
+
+class PickyOps:
+    """`linear` and attention from one object (bodies never run: plans only)."""
+
+    name = "picky"
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+
+    def linear(self, x, w, b=None):
+        return F.linear(x, w, b)
+
+    def prepare(self, meta) -> None:
+        pass
+
+    def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
+        raise AssertionError("never called: plans only")
+
+
+class PickyBackend:
+    """Above the reference; `linear` for dense weights only, attention for plain KV only,
+    and only fp32/bf16 activations (refused as a whole through `supports`)."""
+
+    name = "picky"
+    description = "test backend that reads the workload"
+    priority = 20
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def supports(self, device, *, workload=None) -> Support:
+        if workload is not None and workload.compute_dtype == torch.float16:
+            return Support.no("no fp16 kernels")
+        return Support.yes()
+
+    def provides(self, device, *, workload=None) -> dict[str, Support]:
+        self.seen.append(workload)
+        linear = attention = Support.yes()
+        if workload is not None and workload.quantized_formats:
+            formats = ", ".join(sorted(workload.quantized_formats))
+            linear = Support.no(f"no kernel for {formats} weights")
+        if workload is not None and workload.kv_codec not in (None, "fp32", "bf16"):
+            attention = Support.no(f"no kernel for {workload.kv_codec} KV")
+        return {"linear": linear, "attention": attention}
+
+    def create_ops(self, device) -> PickyOps:
+        return PickyOps(getattr(device, "torch_device", device))
+
+
+def picky_host(backend: PickyBackend | None = None):
+    backend = backend or PickyBackend()
+
+    @hookimpl
+    def register_kernel_backends():
+        return [backend]
+
+    plugin = types.SimpleNamespace(register_kernel_backends=register_kernel_backends)
+    return create_host(extra_plugins=[("picky", plugin)])
+
+
+def test_provides_sees_the_workload_and_refused_ops_fall_back_with_the_reason():
+    backend = PickyBackend()
+    h = picky_host(backend)
+    dense = KernelWorkload(frozenset({"bf16"}), "bf16", torch.bfloat16)
+    assert by_op(plan_kernels(h, CPU, workload=dense)) == {op: "torch" for op in OPS} | {
+        "linear": "picky",
+        "attention": "picky",
+    }
+    assert backend.seen[-1] is dense
+    quantized = KernelWorkload(frozenset({"bf16", "Q6G64"}), "rk8v4", torch.bfloat16)
+    choices = {c.op: c for c in plan_kernels(h, CPU, workload=quantized)}
+    assert choices["linear"].backend == "torch" and choices["attention"].backend == "torch"
+    assert choices["linear"].passed_over == (("picky", "no kernel for Q6G64 weights"),)
+    assert "passed over picky (no kernel for Q6G64 weights)" in choices["linear"].describe()
+    assert "passed over picky (no kernel for rk8v4 KV)" in choices["attention"].describe()
+    assert not choices["rms_norm"].passed_over  # picky never provided it: nothing to say
+    assert choices["linear"].to_json()["passed_over"] == [
+        {"backend": "picky", "reason": "no kernel for Q6G64 weights"}
+    ]
+
+
+def test_supports_may_refuse_the_whole_workload():
+    h = picky_host()
+    half = KernelWorkload(frozenset({"fp16"}), "fp16", torch.float16)
+    choices = plan_kernels(h, CPU, workload=half)
+    assert set(by_op(choices).values()) == {"torch"}
+    assert all(c.passed_over == (("picky", "no fp16 kernels"),) for c in choices)
+    with pytest.raises(UnsupportedChoiceError, match="no fp16 kernels"):
+        plan_kernels(h, CPU, "picky", workload=half)
+
+
+def test_a_forced_op_the_workload_rules_out_fails_naming_reason_and_alternatives():
+    h = picky_host()
+    quantized = KernelWorkload(frozenset({"fp32", "Q4G64"}), "fp32", torch.float32)
+    with pytest.raises(UnsupportedChoiceError) as info:
+        plan_kernels(h, CPU, "auto", "linear=picky", workload=quantized)
+    message = str(info.value)
+    assert "--kernel linear=picky" in message and "no kernel for Q4G64 weights" in message
+    assert "weights Q4G64+fp32, KV fp32, compute fp32" in message
+    assert "alternatives: torch" in message
+    # --gemm-backend: the ops it refuses fall back, saying why
+    choices = {c.op: c for c in plan_kernels(h, CPU, "picky", workload=quantized)}
+    assert choices["attention"].backend == "picky"
+    assert choices["linear"].backend == "torch"
+    assert choices["linear"].passed_over == (("picky", "no kernel for Q4G64 weights"),)
+
+
+def test_a_backend_written_before_the_workload_is_asked_with_the_device_alone():
+    """`LinearOnlyBackend.provides(self, device)` (and `supports(self, device)`) predate the
+    workload: the host passes it only to signatures that take it (as pluggy does)."""
+    workload = KernelWorkload(frozenset({"Q4G64"}), "int8", torch.bfloat16)
+    assert by_op(plan_kernels(host(), CPU, workload=workload))["linear"] == "fake-linear"
+    assert not conformance.problems(LinearOnlyBackend(), KernelBackend)
+    assert not conformance.problems(PickyBackend(), KernelBackend)
+
+    def takes_kwargs(device, **kwargs):
+        return kwargs
+
+    assert accepts_keyword(takes_kwargs, "workload")
+    assert call_accepting(takes_kwargs, CPU, workload=workload) == {"workload": workload}
+    assert call_accepting(LinearOnlyBackend().provides, CPU, workload=workload)["linear"].ok
+
+
+def test_probe_names_one_backend_only_when_it_serves_every_op(installed, capsys):
+    """fake-linear has the highest priority but serves `linear` alone: the summary line must
+    not name it as the kernel backend."""
+    assert main(["probe"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel backends -> fake-linear\n" not in out
+    assert "kernel backends -> linear=fake-linear,attention=torch," in out
+    served = {line.split()[1]: line for line in out.splitlines() if " serves " in line}
+    assert served["torch"].split()[0] == "chosen"
+    assert served["torch"].endswith("serves attention, rms_norm, rope, silu_and_mul")
+    assert served["fake-linear"].endswith("serves linear")
+    assert main(["probe", "--kernel", "linear=torch", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    [kernels] = [p for p in report["extension_points"] if p["point"] == "kernel_backends"]
+    assert kernels["chosen"] == "torch"
+    status = {c["name"]: c["status"] for c in kernels["candidates"]}
+    assert status["torch"] == "chosen" and status["fake-linear"] == "not chosen"
+    assert report["kernel_workload"] == {
+        "weight_formats": None,
+        "kv_codec": "bf16",
+        "compute_dtype": "bf16",
+    }
+
+
+def test_probe_with_a_quantized_model_asks_for_its_weight_formats(tmp_path, capsys):
+    from checkpoints import write_tiny_qwen3
+
+    from ninfer_core.convert import convert
+
+    out = tmp_path / "tiny-q4.ninfer"
+    convert(write_tiny_qwen3(tmp_path / "hf", hidden_size=64), out, recipe_name="q4")
+    backend = PickyBackend()
+    h = picky_host(backend)
+    loaded = load_model(out, host=h, device=CPU, runtime=RuntimeConfig(dtype="bf16"))
+    assert "Q4G64" in loaded.workload.weight_formats and loaded.workload.kv_codec == "bf16"
+    assert loaded.workload.compute_dtype == torch.bfloat16
+    linear = next(c for c in loaded.kernels if c.op == "linear")
+    assert linear.backend == "torch" and linear.passed_over[0][0] == "picky"
+    assert "Q4G64" in linear.passed_over[0][1]
+    # `ninfer probe MODEL` reads the same formats from the headers alone.
+    assert main(["probe", str(out), "--json"]) == 0
+    formats = json.loads(capsys.readouterr().out)["kernel_workload"]["weight_formats"]
+    assert "Q4G64" in formats and "bf16" in formats
+
+
+def test_a_runtime_over_another_codec_is_checked_against_the_attention_chosen_at_load(ckpt):
+    from ninfer_core.engine import build_runtime
+
+    path, _ = ckpt
+    h = picky_host()
+    loaded = load_model(path, host=h, device=CPU, runtime=RuntimeConfig(dtype="fp32"))
+    assert by_op(loaded.kernels)["attention"] == "picky" and loaded.workload.kv_codec == "fp32"
+    build_runtime(loaded, h, CPU, RuntimeSpec(8, BLOCK, kv_dtype="bf16"))  # picky reads bf16
+    with pytest.raises(UnsupportedChoiceError) as info:
+        build_runtime(loaded, h, CPU, RuntimeSpec(8, BLOCK, kv_dtype="int8"))
+    message = str(info.value)
+    assert "composed from kernel backend 'picky' for KV codec 'fp32'" in message
+    assert "no kernel for int8 KV" in message and "--kv-dtype int8" in message

@@ -5,4 +5,20 @@ builds the benchmark model (Qwen3-0.6B shapes, random weights, the real Qwen voc
 once and caches it, `bandwidth` measures memory bandwidth and turns it into a decode
 ceiling, and `decode` times ninfer against transformers `generate`. Nothing here is
 imported by the engine, and transformers is imported only when a benchmark runs.
+
+Every bench prints which kernel backend served each op (`kernel_ops_line`), from the
+record the load made (`LoadedModel.kernels`, reported by `ninfer-serve`'s `/health`).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def kernel_ops_line(kernel_ops: list[dict[str, Any]] | None) -> str:
+    """`kernel ops: ...` from `OpChoice.to_json` records, for a bench's header."""
+    if not kernel_ops:
+        return "kernel ops: not reported (a server that is not NInfer's?)"
+    from ninfer_core.kernels.compose import OpChoice, kernel_line
+
+    return kernel_line([OpChoice.from_json(d) for d in kernel_ops])

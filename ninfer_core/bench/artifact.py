@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.decode import TimedRunConfig
 from ninfer_core.config import opt
 
@@ -74,7 +75,8 @@ def measure_load(path: Path, threads: int) -> dict:
         "               runtime=RuntimeConfig(dtype='bf16'))\n"
         "seconds = time.perf_counter() - start\n"
         "print(json.dumps({'load_s': seconds, 'peak_rss': peak_rss_bytes(),\n"
-        "                  'weight_bytes': m.model.weight_bytes()}))\n"
+        "                  'weight_bytes': m.model.weight_bytes(),\n"
+        "                  'kernel_ops': [c.to_json() for c in m.kernels]}))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, str(path), str(threads)],
@@ -179,6 +181,8 @@ def render(result: dict) -> str:
     baseline = next((r["decode_baseline"] for r in rows if "decode_baseline" in r), None)
     note = f"load and peak RSS × {rows[0]['source']}"
     lines.append(note + (f"; decode × {baseline}" if baseline else ""))
+    for r in rows:  # each source's weight formats may take other kernels
+        lines.append(f"{r['source']}: {kernel_ops_line(r.get('kernel_ops'))}")
     if any(r.get("cpu_share", 1.0) < 0.9 for r in rows):
         lines.append(
             "warning: a timed run got under 90% of its threads' CPU time; other processes "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,6 +68,8 @@ class EngineRun:
     #: CPU seconds the process got ÷ (wall seconds × threads): well under 1 means other
     #: processes took cores from it and the figures are low (2 cores are easily shared).
     cpu_share: float = 1.0
+    #: NInfer's runs: which backend served each op (`OpChoice.to_json`, from the load).
+    kernel_ops: list[dict] = field(default_factory=list)
 
 
 class CpuShare:
@@ -85,8 +87,7 @@ class CpuShare:
 def best_of(runs: list[EngineRun]) -> EngineRun:
     """The least disturbed figures of repeated runs: the fastest decode, the fastest prefill."""
     best = max(runs, key=lambda r: r.decode_tok_s)
-    prefill = max(r.prefill_tok_s for r in runs)
-    return EngineRun(prefill, best.decode_tok_s, best.token_ids, best.cpu_share)
+    return replace(best, prefill_tok_s=max(r.prefill_tok_s for r in runs))
 
 
 def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int) -> EngineRun:
@@ -103,6 +104,7 @@ def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int
     runtime = RuntimeConfig(dtype=dtype, max_context=max(4096, len(prompt) + new + 1))
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
+    kernel_ops = [c.to_json() for c in loaded.kernels]
 
     def generate(n: int) -> GenerationStats:
         stats = GenerationStats()
@@ -117,9 +119,8 @@ def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int
     for _ in range(repeats):
         with CpuShare() as cpu:
             stats = generate(new)
-        runs.append(
-            EngineRun(stats.prefill_tok_s, stats.decode_tok_s, list(stats.token_ids), cpu.share)
-        )
+        runs.append(EngineRun(stats.prefill_tok_s, stats.decode_tok_s, list(stats.token_ids),
+                              cpu.share, kernel_ops))  # fmt: skip
     engine.close()
     return best_of(runs)
 
@@ -224,6 +225,7 @@ def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
             "ninfer_cpu_share": ours.cpu_share,
             "transformers_cpu_share": ref.cpu_share,
             "new_tokens": cfg.new,
+            "kernel_ops": ours.kernel_ops,
         })  # fmt: skip
     return {
         "model": str(path),

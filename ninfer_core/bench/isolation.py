@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.server_process import ServerProcess, request
 from ninfer_core.config import opt
 
@@ -122,11 +123,13 @@ def run_bench(cfg: IsolationBenchConfig, model: str | None = None) -> dict:
                 "same_text": run.text == alone.text, "hostile_status": seen,
             })  # fmt: skip
         health = request(server.port, "GET", "/health", None).status
-    return {"config": cfg.__dict__, "rows": rows, "health_after": health}
+    return {"config": cfg.__dict__, "kernel_ops": server.kernel_ops, "rows": rows,
+            "health_after": health}  # fmt: skip
 
 
 def render(result: dict) -> str:
-    lines = ["| hostile client sends | victim tok/s | ratio | same text | hostile got |",
+    lines = [kernel_ops_line(result.get("kernel_ops")),
+             "| hostile client sends | victim tok/s | ratio | same text | hostile got |",
              "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in result["rows"]:
         got = ", ".join(f"{k}×{v}" for k, v in r["hostile_status"].items()) or "-"

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ninfer_core.bench import kernel_ops_line
 from ninfer_core.config import opt
 
 MIB = 1 << 20
@@ -117,6 +118,7 @@ def run_phases(loaded: Any, host: Any, device: Any, cfg: MemoryBenchConfig) -> d
     return {
         "model": str(loaded.path),
         "dtype": cfg.dtype,
+        "kernel_ops": [c.to_json() for c in loaded.kernels],
         "max_context": max_context,
         "phases": phases,
         "growth_after_warmup": phases[-1]["rss"] - phases[0]["rss"],
@@ -130,6 +132,7 @@ def render(result: dict[str, Any]) -> str:
     """The phases as a Markdown table, then the plan's runtime term for comparison."""
     lines = [
         f"model {result['model']} ({result['dtype']}), max context {result['max_context']}",
+        kernel_ops_line(result["kernel_ops"]),
         "| phase | RSS MiB | growth MiB | seconds |",
         "| --- | --- | --- | --- |",
     ]

@@ -233,6 +233,7 @@ async def bench(url: str, cfg: ServeBenchConfig) -> dict[str, Any]:
             if not models.data:
                 raise NInferError(f"GET {base}/models lists no model; pass --model")
             model = models.data[0].id
+        kernel_ops = await server_kernel_ops(base, cfg.timeout_s)
         words = cfg.prompt_tokens
         for i in range(cfg.warmup):
             sample = await one_request(client, cfg, model, prompt_text(words, 10**6 + i))
@@ -249,10 +250,26 @@ async def bench(url: str, cfg: ServeBenchConfig) -> dict[str, Any]:
                 )
             results.append(level)
     return {
-        "url": base, "model": model, "api": cfg.api, "prompt_words": words,
+        "url": base, "model": model, "api": cfg.api, "kernel_ops": kernel_ops,
+        "prompt_words": words,
         "prompt_tokens": cfg.prompt_tokens, "max_tokens": cfg.max_tokens,
         "levels": results, "ratios": ratios(results),
     }  # fmt: skip
+
+
+async def server_kernel_ops(base: str, timeout_s: float) -> list[dict[str, Any]] | None:
+    """Which kernel backend serves each op, as an NInfer server's `/health` reports it;
+    None from a server that does not (vLLM, llama.cpp)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as http:
+            reply = await http.get(base.removesuffix("/v1") + "/health")
+        body = reply.json() if reply.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    ops = body.get("kernel_ops") if isinstance(body, dict) else None
+    return ops if isinstance(ops, list) else None
 
 
 def run_serve_bench(url: str, cfg: ServeBenchConfig) -> dict[str, Any]:

@@ -48,6 +48,7 @@ class ServerProcess:
         self.argv = argv
         self.ready_s = ready_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.kernel_ops: list[dict[str, Any]] | None = None
 
     def __enter__(self) -> ServerProcess:
         # a file, not a pipe: nobody reads the log while the bench runs, and a full pipe
@@ -64,7 +65,10 @@ class ServerProcess:
                 self.log.close()
                 raise NInferError(f"ninfer-serve exited with {self.proc.returncode}: {err[-2000:]}")
             try:
-                if request(self.port, "GET", "/health", None, timeout=2).status == 200:
+                health = request(self.port, "GET", "/health", None, timeout=2)
+                if health.status == 200:
+                    #: Which kernel backend serves each op, as the server reports it.
+                    self.kernel_ops = (health.body or {}).get("kernel_ops")
                     return self
             except OSError:
                 pass

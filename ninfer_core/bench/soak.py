@@ -15,6 +15,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.server_process import ServerProcess, request, rss_bytes
 from ninfer_core.config import opt
 
@@ -99,6 +100,7 @@ def run_bench(cfg: SoakBenchConfig, model: str | None = None) -> dict:
     warm = next((rss for n, rss in samples if n >= cfg.requests * cfg.warmup_fraction), end_rss)
     return {
         "config": cfg.__dict__,
+        "kernel_ops": server.kernel_ops,
         "wall_s": wall,
         "statuses": dict(statuses),
         "rss_start_mib": start_rss / MIB,
@@ -113,6 +115,7 @@ def run_bench(cfg: SoakBenchConfig, model: str | None = None) -> dict:
 def render(result: dict) -> str:
     statuses = ", ".join(f"{k}×{v}" for k, v in sorted(result["statuses"].items()))
     return (
+        f"{kernel_ops_line(result.get('kernel_ops'))}\n"
         f"{sum(result['statuses'].values())} requests in {result['wall_s']:.0f} s ({statuses})\n"
         f"RSS at start {result['rss_start_mib']:.0f} MiB, after warm-up "
         f"{result['rss_after_warmup_mib']:.0f} MiB, at the end {result['rss_end_mib']:.0f} MiB "

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ninfer_core.bench import kernel_ops_line
 from ninfer_core.config import opt
 
 #: The child: load the model, warm up, then time greedy generations; print JSON.
@@ -52,7 +53,8 @@ run(8)
 times = [run(new) for _ in range(repeats)]
 wall, cpu = min(times)
 print(json.dumps({"ms_per_token": 1000 * wall / new, "cpu_s": cpu, "wall_s": wall,
-                  "threads": torch.get_num_threads(), "summary": thread_summary()}))
+                  "threads": torch.get_num_threads(), "summary": thread_summary(),
+                  "kernel_ops": [c.to_json() for c in loaded.kernels]}))
 """
 
 
@@ -116,7 +118,9 @@ def run_bench(cfg: ThreadsBenchConfig, model: str | None) -> dict[str, Any]:
         "cores": cores,
         "load": os.getloadavg()[0],
         "new": cfg.new,
-        "rows": rows,
+        # Every child loads the same model the same way: the first one's choice.
+        "kernel_ops": rows[0].pop("kernel_ops", None),
+        "rows": [{k: v for k, v in r.items() if k != "kernel_ops"} for r in rows],
     }
 
 
@@ -124,6 +128,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']} (bf16), {result['cores']} cores, load average "
         f"{result['load']:.1f}, {result['new']} tokens per run",
+        kernel_ops_line(result.get("kernel_ops")),
         "| busy-loop hogs | threads | wait policy | ms/token | vs first row | CPU s |",
         "| --- | --- | --- | --- | --- | --- |",
     ]

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.artifact import ArtifactBenchConfig
 from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
 from ninfer_core.bench.engine import EngineBenchConfig
@@ -180,7 +181,8 @@ def run(ns: argparse.Namespace) -> int:
     for r in result["rows"]:
         print(
             f"{r['dtype']}: {r['weight_bytes_per_token'] / 1e9:.3f} GB weights + "
-            f"{r['kv_bytes_per_token'] / 1e6:.1f} MB KV read per token"
+            f"{r['kv_bytes_per_token'] / 1e6:.1f} MB KV read per token; "
+            f"{kernel_ops_line(r['kernel_ops'])}"
         )
     print()
     print(table(result))
@@ -231,7 +233,8 @@ def run_engine(ns: argparse.Namespace) -> int:
 
     cfg = config_from_args(EngineBenchConfig, ns)
     loaded, host, device = _load(ns.model, default_model, ns.dtype)
-    result = {"model": str(loaded.path), **bench_concurrency(loaded, host, device, cfg)}
+    result = {"model": str(loaded.path), "kernel_ops": [c.to_json() for c in loaded.kernels]}
+    result |= bench_concurrency(loaded, host, device, cfg)
     result |= bench_agent(loaded, host, device, cfg)
     if ns.as_json:
         json.dump(result, sys.stdout, indent=2)
@@ -239,6 +242,7 @@ def run_engine(ns: argparse.Namespace) -> int:
         return 0
     r = result
     print(f"model: {r['model']}, prompts {cfg.prompt_tokens} tokens, chunk {cfg.prefill_chunk}")
+    print(kernel_ops_line(r["kernel_ops"]))
     print("| measure | value | baseline | ratio |\n| --- | --- | --- | --- |")
     rows = [
         ("C1 TTFT (s)", r["c1_ttft_s"], None),
@@ -266,11 +270,14 @@ def run_kv(ns: argparse.Namespace) -> int:
     cfg = config_from_args(KVBenchConfig, ns)
     loaded, host, device = _load(ns.model, ensure_checkpoint, "bf16")
     rows = bench_kv(loaded, host, device, cfg)
+    kernel_ops = [c.to_json() for c in loaded.kernels]
     if ns.as_json:
-        json.dump(rows, sys.stdout, indent=2)
+        json.dump({"model": str(loaded.path), "kernel_ops": kernel_ops, "rows": rows},
+                  sys.stdout, indent=2)  # fmt: skip
         sys.stdout.write("\n")
         return 0
     print(f"model: {loaded.path} (bf16), {cfg.steps} timed decode steps per point")
+    print(kernel_ops_line(kernel_ops))
     print("| context | codec | decode tok/s | vs fp16 | KV bytes/token |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
@@ -291,6 +298,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     print(f"{result['url']} model {result['model']} ({result['api']}), prompt ~{cfg.prompt_tokens} "
           f"tokens ({result['prompt_words']} words), {cfg.max_tokens} new, "
           f"{cfg.requests} requests per level")  # fmt: skip
+    print(kernel_ops_line(result["kernel_ops"]))
     print(table(result))
     for r in result["levels"]:
         if r["first_error"]:

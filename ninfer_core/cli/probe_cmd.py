@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
-from ninfer_core.device import DEVICE_SPECS, probe_device, simulated_device
+from ninfer_core.device import DEVICE_SPECS, DeviceInfo, probe_device, simulated_device
 from ninfer_core.hookspecs import exclusive_points
-from ninfer_core.kernels.compose import plan_kernels
-from ninfer_core.plugin_host import create_host
+from ninfer_core.kernels.compose import kernel_report, plan_kernels
+from ninfer_core.kernels.workload import KernelWorkload
+from ninfer_core.plugin_host import PluginHost, create_host
 from ninfer_core.selection import probe
 
 
@@ -32,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="OP=NAME,...",
         help="per-op kernel backends, as ninfer-serve would be given (linear=NAME,...)",
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        help="compute dtype, as ninfer-serve would be given (the kernels are chosen for it)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
@@ -40,8 +47,12 @@ def run(ns: argparse.Namespace) -> int:
     device = simulated_device(ns.device_spec) if ns.device_spec else probe_device()
     host = create_host(warn=False)  # failures are listed below
     requested = {p.dest: getattr(ns, p.dest) for p in exclusive_points() if p.dest}
-    reports = probe(host, device, **requested)
-    kernels = plan_kernels(host, device, ns.gemm_backend, ns.kernel)
+    workload = _workload(host, device, ns)
+    reports = probe(host, device, workload=workload, **requested)
+    kernels = plan_kernels(host, device, ns.gemm_backend, ns.kernel, workload=workload)
+    # Truthful about a partial backend: the summary names one backend only when it
+    # serves every op, and each candidate says which ops it serves.
+    reports = [kernel_report(r, kernels) if r.point == "kernel_backends" else r for r in reports]
     kv_bytes = _kv_bytes_per_token(host, ns.model) if ns.model else {}
     failures = [
         {"plugin": f.plugin, "distribution": f.distribution, "status": f.status, "reason": f.reason}
@@ -51,6 +62,7 @@ def run(ns: argparse.Namespace) -> int:
         out = {
             "device": device.to_json(),
             "extension_points": [r.to_json() for r in reports],
+            "kernel_workload": workload.to_json(),
             "kernel_ops": [c.to_json() for c in kernels],
             "plugin_failures": failures,
         }
@@ -70,13 +82,27 @@ def run(ns: argparse.Namespace) -> int:
             size = f" {kv_bytes[c.name]} B/token" if c.name in kv_bytes else ""
             print(f"  {c.status:<10} {c.name:<16} [{c.distribution}]{size}{reason}")
         if report.point == "kernel_backends":
-            print("\nkernel ops (which backend serves each, and why)")
+            print(f"\nkernel ops (which backend serves each, and why) for {workload.describe()}")
             for choice in kernels:
                 print(f"  {choice.describe()}")
     for f in failures:
         what = "not loaded" if f["status"] == "broken" else "refused an object"
         print(f"\nplugin {f['plugin']} ({f['distribution']}) {what}: {f['reason']}")
     return 0
+
+
+def _workload(host: PluginHost, device: DeviceInfo, ns: argparse.Namespace) -> KernelWorkload:
+    """What the kernels are chosen for: with a model, its weight formats (headers only),
+    else only the KV codec and the compute dtype the options name."""
+    from ninfer_core.kernels.workload import workload_for
+    from ninfer_core.kv import kv_codec_name
+    from ninfer_core.loading import compute_dtype, open_artifact
+
+    dtype = compute_dtype(ns.dtype, device)
+    kv = kv_codec_name(ns.kv_dtype, dtype)
+    if ns.model:
+        return workload_for(open_artifact(host, ns.model), dtype, kv)
+    return KernelWorkload(None, kv, dtype)
 
 
 def _kv_bytes_per_token(host, model: str) -> dict[str, int]:

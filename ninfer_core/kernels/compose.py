@@ -1,24 +1,35 @@
 """Kernels composed per op: each op from the highest-priority backend that provides it.
 
 A kernel backend may provide any subset of the ops (`KernelBackend.provides`; None: all
-of them). At load time the host picks, per op, the backend forced by `--kernel
-op=NAME`, else the one forced by `--gemm-backend NAME` where it provides the op, else
-the supported backend of highest priority that provides it (registration order breaks
-ties), and finally the core's reference (`reference.TorchOps`). The ops object the
-model holds then carries each chosen implementation as a bound method (or, when one
-backend serves every op, is that backend's own ops object): nothing is looked up per
-call.
+of them), and answers per op for the device and for what will run (`KernelWorkload`:
+the model's weight formats, the KV codec, the compute dtype), e.g. "linear: no kernel
+for Q6G64 weights". At load time the host picks, per op, the backend forced by
+`--kernel op=NAME`, else the one forced by `--gemm-backend NAME` where it serves the
+op, else the supported backend of highest priority that serves it (registration order
+breaks ties), and finally the core's reference (`reference.TorchOps`). Each choice
+keeps its reason and the higher-ranked backends it passed over with theirs
+(`OpChoice`); `ninfer probe`, `ninfer-serve`'s startup and every bench print them.
+
+The workload reaches `provides(device, *, workload=None)` (and `supports`) by name,
+and only when the method's signature takes it (`selection.call_accepting`): a backend
+written when `provides` took the device alone keeps working, as a pluggy hook
+implementation that takes a subset of the spec's arguments does.
+
+The ops object the model holds carries each chosen implementation as a bound method
+(or, when one backend serves every op, is that backend's own ops object): nothing is
+looked up per call.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ninfer_core import conformance
 from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
+from ninfer_core.kernels.workload import KernelWorkload
 from ninfer_core.plugin_types import KernelOps
-from ninfer_core.selection import ask_supports, choose, device_name
+from ninfer_core.selection import PointReport, ask_supports, call_accepting, choose, device_name
 from ninfer_core.support import Support
 
 if TYPE_CHECKING:
@@ -50,21 +61,37 @@ KERNEL_OPTION = "--kernel"
 
 @dataclass(frozen=True, slots=True)
 class OpChoice:
-    """Which backend serves `op`, and why."""
+    """Which backend serves `op`, and why; `passed_over`: the backends that would have
+    won (forced or of higher priority) but refused the op, each with its reason."""
 
     op: str
     backend: str
     reason: str
+    passed_over: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
         return f"{self.backend} (reference)" if self.backend == REFERENCE else self.backend
 
     def describe(self) -> str:
-        return f"{self.op}: {self.label} - {self.reason}"
+        text = f"{self.op}: {self.label} - {self.reason}"
+        if self.passed_over:
+            text += "; passed over " + ", ".join(f"{n} ({why})" for n, why in self.passed_over)
+        return text
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "op": self.op,
+            "backend": self.backend,
+            "reason": self.reason,
+            "passed_over": [{"backend": n, "reason": why} for n, why in self.passed_over],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpChoice:
+        """Back from `to_json` (a bench child's or a server's report)."""
+        passed = tuple((p["backend"], p["reason"]) for p in data.get("passed_over", ()))
+        return cls(data["op"], data["backend"], data["reason"], passed)
 
 
 def parse_kernel_option(text: str | None) -> dict[str, str]:
@@ -85,15 +112,17 @@ def parse_kernel_option(text: str | None) -> dict[str, str]:
     return out
 
 
-def _provided(obj: Any, device: DeviceInfo) -> dict[str, Support]:
-    """What a backend provides: {op: Support} (a refused backend refuses every op)."""
-    support = ask_supports(obj, device)
+def _provided(obj: Any, device: DeviceInfo, workload: KernelWorkload) -> dict[str, Support]:
+    """What a backend provides for `workload`: {op: Support} (a refused backend refuses
+    every op)."""
+    support = ask_supports(obj, device, workload=workload)
     if not support.ok:
         return dict.fromkeys(OPS, support)
     if obj.provides is None:  # optional in the KernelBackend contract: every op
         return dict.fromkeys(OPS, support)
     try:
-        answer = obj.provides(device)
+        # `workload` only to a `provides` that takes it: the contract grew it later.
+        answer = call_accepting(obj.provides, device, workload=workload)
     except Exception as exc:  # a probe that crashes refuses, it does not crash the host
         return dict.fromkeys(OPS, Support.no(f"provides() raised {type(exc).__name__}: {exc}"))
     if not isinstance(answer, dict):
@@ -110,21 +139,27 @@ def plan_kernels(
     device: DeviceInfo,
     gemm_backend: str | None = "auto",
     kernel: str | None = None,
+    *,
+    workload: KernelWorkload | None = None,
 ) -> list[OpChoice]:
-    """Which backend serves each op on `device`, and why; an impossible forced choice
-    (`--gemm-backend`, `--kernel`) raises naming the alternatives."""
-    forced = choose(host, "kernel_backends", device, gemm_backend)  # validates the name
+    """Which backend serves each op on `device` for `workload` (None: nothing known but
+    the device), and why; an impossible forced choice (`--gemm-backend`, `--kernel`)
+    raises naming the alternatives."""
+    workload = workload or KernelWorkload()
+    # Validates the name; a backend refusing the whole workload is refused here.
+    forced = choose(host, "kernel_backends", device, gemm_backend, workload=workload)
     overrides = parse_kernel_option(kernel)
     entries = host.kernel_backends.entries()
-    provided = {e.name: _provided(e.obj, device) for e in entries}
+    provided = {e.name: _provided(e.obj, device, workload) for e in entries}
     priority = {e.name: e.obj.priority for e in entries}
     ranked = sorted(priority, key=lambda n: -priority[n])  # stable: registration order
+    where = _where(device, workload)
     if gemm_backend not in (None, "auto", "none"):
         name = forced.chosen
         if not any(s.ok for s in provided[name].values()):
             raise UnsupportedChoiceError(
-                f"--gemm-backend {name}: kernel backend {name!r} provides no op on "
-                f"{device_name(device)}; alternatives: {_alternatives(provided, None, name)}"
+                f"--gemm-backend {name}: kernel backend {name!r} provides no op {where}; "
+                f"alternatives: {_alternatives(provided, None, name)}"
             )
     else:
         name = None
@@ -138,26 +173,65 @@ def plan_kernels(
             if support is None or not support.ok:
                 why = support.reason if support is not None else f"it does not provide {op}"
                 raise UnsupportedChoiceError(
-                    f"{KERNEL_OPTION} {op}={want}: kernel backend {want!r} cannot serve {op} on "
-                    f"{device_name(device)}: {why}; alternatives: "
-                    f"{_alternatives(provided, op, want)}"
+                    f"{KERNEL_OPTION} {op}={want}: kernel backend {want!r} cannot serve {op} "
+                    f"{where}: {why}; alternatives: {_alternatives(provided, op, want)}"
                 )
             choices.append(OpChoice(op, want, _why(f"{KERNEL_OPTION} {op}={want}", support)))
             continue
-        support = provided[name].get(op) if name is not None else None
-        if name is not None and support is not None and support.ok:
-            choices.append(OpChoice(op, name, _why(f"--gemm-backend {name}", support)))
-            continue
+        passed: list[tuple[str, str]] = []
+        if name is not None:
+            support = provided[name].get(op)
+            if support is not None and support.ok:
+                choices.append(OpChoice(op, name, _why(f"--gemm-backend {name}", support)))
+                continue
+            if support is not None:  # it provides the op, but not for this run
+                passed.append((name, support.reason))
         for n in ranked:
             support = provided[n].get(op)
             if support is not None and support.ok:
-                choices.append(
-                    OpChoice(op, n, _why(f"highest priority providing it ({priority[n]})", support))
-                )
+                how = f"highest priority providing it ({priority[n]})"
+                choices.append(OpChoice(op, n, _why(how, support), tuple(passed)))
                 break
+            if support is not None and n != name:  # ranked above the one that serves it
+                passed.append((n, support.reason))
         else:
-            choices.append(OpChoice(op, REFERENCE, "no installed backend provides it"))
+            choices.append(
+                OpChoice(op, REFERENCE, "no installed backend provides it", tuple(passed))
+            )
     return choices
+
+
+def _where(device: DeviceInfo, workload: KernelWorkload) -> str:
+    """`on the CPU` or `on the CPU for weights fp32, KV fp32, compute fp32`."""
+    known = workload != KernelWorkload()
+    return f"on {device_name(device)}" + (f" for {workload.describe()}" if known else "")
+
+
+def check_kv_codec(
+    host: PluginHost,
+    device: DeviceInfo,
+    choices: list[OpChoice],
+    workload: KernelWorkload,
+    kv_codec: str,
+) -> None:
+    """Raise when the backend chosen for attention at load (for `workload.kv_codec`)
+    refuses `kv_codec`, the codec a runtime is now built with: ops are composed once,
+    before the weights load, so the attention kernel cannot change afterwards."""
+    attention = next((c for c in choices if c.op == "attention"), None)
+    if kv_codec == workload.kv_codec or attention is None:
+        return
+    if attention.backend not in host.kernel_backends:
+        return  # the core's reference reads every codec's pages
+    obj = host.kernel_backends.get(attention.backend)
+    support = _provided(obj, device, replace(workload, kv_codec=kv_codec)).get("attention")
+    if support is None or not support.ok:
+        why = support.reason if support is not None else "it does not provide attention"
+        raise UnsupportedChoiceError(
+            f"--kv-dtype {kv_codec}: attention was composed from kernel backend "
+            f"{attention.backend!r} for KV codec {workload.kv_codec!r}, and it cannot read "
+            f"{kv_codec!r}: {why}; load the model with --kv-dtype {kv_codec} (or "
+            f"{KERNEL_OPTION} attention={REFERENCE})"
+        )
 
 
 def _why(how: str, support: Support) -> str:
@@ -240,3 +314,33 @@ def backend_summary(choices: list[OpChoice]) -> str:
     if len(names) == 1:
         return next(iter(names))
     return ",".join(f"{c.op}={c.backend}" for c in choices)
+
+
+def kernel_line(choices: list[OpChoice]) -> str:
+    """The per-op choice in one line, as every bench prints it in its header:
+    `kernel ops: torch (reference) for every op` or `kernel ops: linear=mine, ...`."""
+    if len({c.backend for c in choices}) == 1:
+        return f"kernel ops: {choices[0].label} for every op"
+    return "kernel ops: " + ", ".join(f"{c.op}={c.label}" for c in choices)
+
+
+def kernel_report(report: PointReport, choices: list[OpChoice]) -> PointReport:
+    """The kernel backends' selection report made to say what the per-op plan did: the
+    summary names one backend only when it serves every op (else `op=name,...`), and a
+    candidate is `chosen` when it serves at least one op, which its reason lists."""
+    served: dict[str, list[str]] = {}
+    for c in choices:
+        served.setdefault(c.backend, []).append(c.op)
+    candidates = []
+    for c in report.candidates:
+        if c.status == "refused":
+            candidates.append(c)
+            continue
+        ops = served.get(c.name)
+        if ops is None:
+            candidates.append(replace(c, status="not chosen"))
+            continue
+        what = "every op" if len(ops) == len(OPS) else ", ".join(ops)
+        reason = f"{c.reason}; serves {what}" if c.reason else f"serves {what}"
+        candidates.append(replace(c, status="chosen", reason=reason))
+    return replace(report, chosen=backend_summary(choices), candidates=candidates)

@@ -18,6 +18,8 @@ class PlainKVStore:
 
     #: K and V are stored as given (the `KVStore` contract's default).
     rotation = None
+    #: `gather` casts from the storage dtype, nothing more (the contract's default).
+    gather_scratch_bytes = None
 
     def __init__(
         self,

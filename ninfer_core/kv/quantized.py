@@ -38,6 +38,12 @@ def check_head_dim(head_dim: int, *quantizers: GroupQuantizer) -> None:
 class QuantizedKVStore:
     """Paged K/V codes and scales for all layers, one allocation per pool."""
 
+    #: Bytes per cached value that gathering needs beside the two compute-dtype outputs
+    #: (the `KVStore` contract's member): V's codes and two fp32 decode temporaries (codes
+    #: as floats, then times the scales), and K's fp32 decode, which `gather` still holds
+    #: while V decodes. Measured on the CPU: 15.5 bytes per value in all, with bf16 outputs.
+    gather_scratch_bytes = 12
+
     def __init__(
         self,
         layout: KVLayout,

@@ -26,20 +26,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from ninfer_core import conformance
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import decode_length
+from ninfer_core.plugin_types import KVCodec, KVStore
 
 if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
     from ninfer_core.engine.runtime import Runtime
     from ninfer_core.loading import LoadedModel
     from ninfer_core.plugin_host import PluginHost
-
-#: Bytes per cached value that gathering a quantized sequence needs beside the two
-#: compute-dtype outputs: V's codes and two fp32 decode temporaries (codes as floats, then
-#: times the scales), and K's fp32 decode, which `gather` still holds while V decodes.
-#: Measured on the CPU: 15.5 bytes per value in all, with bf16 outputs.
-QUANTIZED_GATHER_SCRATCH = 12
 
 
 @dataclass(frozen=True)
@@ -58,13 +54,24 @@ class Workspace:
         return asdict(self)
 
 
-def gather_scratch(kv: Any, compute_dtype: torch.dtype) -> int:
-    """Extra bytes per gathered value for a KV codec or store, beyond the compute-dtype copy."""
-    if hasattr(kv, "k_quant") or hasattr(kv, "quant"):  # QuantizedKVCodec / QuantizedKVStore
-        return QUANTIZED_GATHER_SCRATCH
-    storage = getattr(kv, "dtype", compute_dtype)
-    # A plain store of another dtype gathers in its own dtype, then casts.
-    return 0 if storage == compute_dtype else storage.itemsize + compute_dtype.itemsize
+def gather_scratch(store: KVStore) -> int:
+    """Extra bytes per gathered value, beyond the compute-dtype copy, as the store's
+    `gather_scratch_bytes` declares them (the `KVStore` contract); None: a plain cast,
+    which gathers pages in the storage dtype and then converts (nothing when they match)."""
+    if store.gather_scratch_bytes is not None:
+        return store.gather_scratch_bytes
+    storage, compute = store.dtype, store.compute_dtype
+    return 0 if storage == compute else storage.itemsize + compute.itemsize
+
+
+def probe_store(kv_codec: KVCodec, head_dim: int, compute_dtype: torch.dtype) -> KVStore:
+    """A one-page, one-head store of `kv_codec` on the CPU (a few hundred bytes), to read
+    what its contract declares before any pool exists (`ninfer plan`)."""
+    from ninfer_core.kv.layout import KVLayout
+
+    store = kv_codec.allocate(KVLayout(1, 1, head_dim, 1, 1), "cpu", compute_dtype=compute_dtype)
+    conformance.check(store, KVStore, f"the KV store codec {kv_codec.name!r} allocated")
+    return store
 
 
 def step_shape(prefill_chunk: int, context: int, concurrency: int) -> tuple[int, int, int]:
@@ -78,7 +85,8 @@ def estimate_workspace(
     config: ModelConfig,
     *,
     dtype: torch.dtype,
-    kv_codec: Any,
+    kv_codec: KVCodec | None = None,
+    kv_store: KVStore | None = None,
     prefill_chunk: int,
     context: int,
     concurrency: int = 1,
@@ -87,10 +95,15 @@ def estimate_workspace(
 ) -> Workspace:
     """Peak bytes of the worst step, stage by stage, from shapes (see the module doc).
 
-    `logit_rows`: rows projected onto the vocabulary (default one per sequence; drafts
-    being verified need one per draft token). `block_size`: the KV page, which a decode
-    row's padded context (`decode_length`) is a multiple of.
+    The KV pages are decoded by `kv_store`, or by a store of `kv_codec` (`probe_store`):
+    one of them is needed. `logit_rows`: rows projected onto the vocabulary (default one
+    per sequence; drafts being verified need one per draft token). `block_size`: the KV
+    page, which a decode row's padded context (`decode_length`) is a multiple of.
     """
+    if kv_store is None:
+        if kv_codec is None:
+            raise TypeError("estimate_workspace() needs kv_codec or kv_store")
+        kv_store = probe_store(kv_codec, config.head_dim, dtype)
     c = dtype.itemsize
     t, b, qmax = step_shape(prefill_chunk, context, concurrency)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
@@ -116,7 +129,7 @@ def estimate_workspace(
             t * h * c
             + t * (hq + 2 * hkv) * d * c
             + 3 * t * (hq + hkv) * d * c
-            + gathered * (2 * c + gather_scratch(kv_codec, dtype))
+            + gathered * (2 * c + gather_scratch(kv_store))
             + previous
             + max(mask * c, scores)
             + 2 * t * hq * d * c
@@ -175,7 +188,7 @@ def measure_workspace(
         return estimate_workspace(
             model.config,
             dtype=model.dtype,
-            kv_codec=runner.kv_store,
+            kv_store=runner.kv_store,
             prefill_chunk=prefill_chunk,
             context=context,
             concurrency=concurrency,

@@ -172,7 +172,10 @@ def create_app(
         serve = app.state.serve
         if not app.state.ready or serve is None:
             return Response({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
-        return Response({"status": "ok", "model": serve.options.model_id})
+        body: dict[str, Any] = {"status": "ok", "model": serve.options.model_id}
+        if serve.kernels:  # which backend serves each op: benches print it
+            body["kernel_ops"] = [c.to_json() for c in serve.kernels]
+        return Response(body)
 
     @get("/metrics", sync_to_thread=False, include_in_schema=False)
     def metrics_route() -> Response:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.request import EngineError, GenerationEvent, GenerationRequest
+from ninfer_core.kernels.compose import OpChoice  # at run time: litestar reads the fields
 from ninfer_core.sampling import SamplingParams
 from ninfer_core.serve.errors import ApiError, from_engine_error, invalid
 from ninfer_core.text import ChatTemplate, ChatTemplateError, GenerationDefaults, Tokenizer
@@ -43,6 +44,8 @@ class ServeState:
     defaults: GenerationDefaults
     options: ServeOptions
     created: int = field(default_factory=lambda: int(time.time()))
+    #: Which kernel backend serves each op (`LoadedModel.kernels`), for `/health`.
+    kernels: list[OpChoice] = field(default_factory=list)
 
     @property
     def max_context(self) -> int:

@@ -20,9 +20,11 @@ class Int16KVStore:
     """Per layer: codes [NB, BS, Hkv, D] int16 and scales [NB, BS, Hkv, 1] fp32."""
 
     # Optional members of NInfer's `KVStore` contract this store does without: no
-    # head-major gather (attention transposes `gather`'s output), no rotation.
+    # head-major gather (attention transposes `gather`'s output), no rotation, no
+    # decode scratch declared (the workspace estimate counts a cast from int16).
     gather_heads = None
     rotation = None
+    gather_scratch_bytes = None
 
     def __init__(self, layout, device, compute_dtype: torch.dtype) -> None:
         self.layout = layout

@@ -8,7 +8,8 @@ which is how its test proves the plugin is wired end to end. Copy it and change 
 
 It implements only the required members of the `KVStore` contract (`write`, token-major
 `gather`); the optional ones are declared at their defaults, so the attention kernels
-transpose what `gather` returns and K and V are taken as stored, unrotated.
+transpose what `gather` returns, K and V are taken as stored, unrotated, and `ninfer plan`
+counts a plain cast to the compute dtype for gathering.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class TokenMajorBF16Store:
     # store that leaves one undeclared, so a misspelt member never goes unnoticed).
     gather_heads = None  # attention transposes `gather`'s token-major result
     rotation = None  # K and V are stored as given
+    gather_scratch_bytes = None  # `gather` only casts bfloat16 to the compute dtype
 
     def __init__(self, layout: KVLayout, device: torch.device | str, compute_dtype: torch.dtype):
         self.layout = layout
