@@ -1,4 +1,5 @@
-"""Hugging Face folder → `.ninfer` file: quantize each tensor by a recipe and pack it.
+"""Hugging Face folder (or GGUF file) → `.ninfer` file: quantize each tensor by a recipe and
+pack it.
 
 Peak memory is one tensor at a time: each tensor is read from the (memory-mapped)
 safetensors shard, encoded, handed to the container writer and dropped before the
@@ -99,6 +100,15 @@ def _stored_bytes(tensor: torch.Tensor, fmt: str) -> torch.Tensor:
     return tensor.to(wf.dtype).contiguous().reshape(-1).view(torch.uint8)
 
 
+def _is_gguf(path: Path) -> bool:
+    """A file starting with the GGUF magic (llama.cpp's format)."""
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def convert(
     source: str | Path,
     out: str | Path,
@@ -109,7 +119,7 @@ def convert(
     volume_limit: int | None = None,
     progress: Callable[[int, str], Any] | None = None,
 ) -> ConvertSummary:
-    """Convert the HF folder `source` into the `.ninfer` file `out`.
+    """Convert the HF folder (or GGUF file) `source` into the `.ninfer` file `out`.
 
     `progress(total, name)` is called once per tensor (a progress bar's hook).
     """
@@ -120,11 +130,12 @@ def convert(
 
     plan = recipe(recipe_name)
     # every artifact declares tensor_file (the contract's optional member), so the folder
-    # itself is what says "a Hugging Face model": a .ninfer file may hold packed codes
+    # itself is what says "a Hugging Face model": a .ninfer file may hold packed codes.
+    # A GGUF file (its magic says so) is the other source: its reader hands out dense tensors.
     if not Path(source).exists():
         raise ModelLoadError(f"{source}: no such file or folder")
-    if not Path(source).is_dir():
-        raise ModelLoadError(f"{source}: convert reads Hugging Face model folders")
+    if not (Path(source).is_dir() or _is_gguf(Path(source))):
+        raise ModelLoadError(f"{source}: convert reads Hugging Face model folders and GGUF files")
     src = open_artifact(create_host(), source)
     out = Path(out)
     if out.resolve() == Path(source).resolve():
@@ -138,7 +149,10 @@ def convert(
     recipe_json = None
     if version >= 2:
         # weights_id is known once every tensor is read; a placeholder until then.
-        identity = {"model_id": model_id or Path(source).resolve().name, "weights_id": "pending"}
+        default_id = Path(source).resolve().name
+        if Path(source).is_file():  # `model.Q4_1.gguf` -> `model.Q4_1`
+            default_id = Path(source).resolve().stem
+        identity = {"model_id": model_id or default_id, "weights_id": "pending"}
         recipe_json = plan.describe()
     kwargs: dict[str, Any] = {"version": version}
     if version >= 2:

