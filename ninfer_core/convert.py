@@ -1,5 +1,6 @@
 """Hugging Face folder (or GGUF file) → `.ninfer` file: quantize each tensor by a recipe and
-pack it.
+pack it. A tensor the source holds quantized (a GGUF's Q4_0, Q4_1 and Q8_0 matrices) keeps
+its codes, or is dequantized when the recipe stores it dense (`bf16`).
 
 Peak memory is one tensor at a time: each tensor is read from the (memory-mapped)
 safetensors shard, encoded, handed to the container writer and dropped before the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ import torch
 
 from ninfer_core.errors import ModelLoadError, NInferError
 from ninfer_core.quant.formats import weight_format
+from ninfer_core.quant.tensor import QuantizedTensor
 
 #: Files beside the weights that a served model needs, copied as resources when present.
 RESOURCE_FILES = (
@@ -109,6 +112,22 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
+def _kept_or_dense(
+    name: str, weight: QuantizedTensor, plan: Any, digest: Any
+) -> tuple[str, torch.Tensor]:
+    """(format, stored bytes) for a tensor the source holds quantized: its own
+    codes where the recipe quantizes that tensor, else dequantized into the recipe's dense
+    format. The digest takes the source's codes either way (`weights_id` is the recipe's
+    business no more than for a dense source)."""
+    stored = weight.to_stored()
+    digest.update(f"{name}:{list(weight.shape)}:{weight.fmt.name}\n".encode())
+    digest.update(stored.numpy().tobytes())
+    fmt = plan.format_for(name, weight.shape, torch.float32)
+    if weight_format(fmt).quantized:
+        return weight.fmt.name, stored
+    return fmt, _stored_bytes(weight.dequantize(torch.float32), fmt)
+
+
 def convert(
     source: str | Path,
     out: str | Path,
@@ -131,7 +150,7 @@ def convert(
     plan = recipe(recipe_name)
     # every artifact declares tensor_file (the contract's optional member), so the folder
     # itself is what says "a Hugging Face model": a .ninfer file may hold packed codes.
-    # A GGUF file (its magic says so) is the other source: its reader hands out dense tensors.
+    # A GGUF file (its magic says so) is the other source.
     if not Path(source).exists():
         raise ModelLoadError(f"{source}: no such file or folder")
     if not (Path(source).is_dir() or _is_gguf(Path(source))):
@@ -160,18 +179,26 @@ def convert(
     if volume_limit is not None:
         kwargs["volume_limit"] = volume_limit
     writer = ContainerWriter(out, **kwargs)
+    # A source may hand a tensor out quantized (a GGUF's Q4_0/Q4_1/Q8_0 blocks): it is never
+    # quantized again. A recipe that quantizes it keeps its codes as they are; one that
+    # stores it dense (`bf16`) dequantizes it.
+    load = src.load_weight or src.load_tensor
     try:
         for name in names:
-            tensor = src.load_tensor(name)
-            shape = tuple(tensor.shape)
-            fmt = plan.format_for(name, shape, tensor.dtype)
-            digest.update(f"{name}:{list(shape)}:{tensor.dtype}\n".encode())
-            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            data = _stored_bytes(tensor, fmt)
+            tensor = load(name)
+            if isinstance(tensor, QuantizedTensor):
+                shape = tensor.shape
+                fmt, data = _kept_or_dense(name, tensor, plan, digest)
+            else:
+                shape = tuple(tensor.shape)
+                fmt = plan.format_for(name, shape, tensor.dtype)
+                digest.update(f"{name}:{list(shape)}:{tensor.dtype}\n".encode())
+                digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                data = _stored_bytes(tensor, fmt)
             # Versions 1 and 2 have no components: optional parts travel as text.
             component = component_of(name) if version >= 3 else "text"
             writer.add_tensor(name, fmt, shape, data, component=component)
-            summary.add(fmt, tensor.numel(), data.numel())
+            summary.add(fmt, math.prod(shape), data.numel())
             del tensor, data
             if progress is not None:
                 progress(len(names), name)

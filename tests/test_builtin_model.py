@@ -85,8 +85,8 @@ def test_it_answers_a_tool_request_with_a_well_formed_call(tmp_path, capsys):
         "tools": [weather, builtin_corpus.TOOLS["calculator"]],
     }
     (tmp_path / "chat.json").write_text(json.dumps(chat))
-    code = main(["generate", "--messages", str(tmp_path / "chat.json"), "--greedy",
-                 "--max-new", "48"])  # fmt: skip
+    code = main(["generate", str(default_model()), "--messages", str(tmp_path / "chat.json"),
+                 "--greedy", "--max-new", "48"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     body = out.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]

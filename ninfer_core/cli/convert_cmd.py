@@ -15,7 +15,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "container with the model's config, tokenizer, chat template and generation config.",
     )
     p.add_argument(
-        "source", metavar="HF_DIR", help="Hugging Face model folder, or a GGUF file (dequantized)"
+        "source",
+        metavar="HF_DIR",
+        help="Hugging Face model folder, or a GGUF file (its Q4_0/Q4_1/Q8_0 matrices keep "
+        "their codes; --recipe bf16 dequantizes them)",
     )
     p.add_argument("out", metavar="OUT.ninfer", help="the file to write")
     p.add_argument(

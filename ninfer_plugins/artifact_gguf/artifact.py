@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,14 +37,43 @@ class GGUFTensorRecord:
     nbytes: int
 
 
+#: ggml's dense types -> our format names.
+_DENSE_FORMATS = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+#: Projections the dense family fuses into one matrix (q|k|v, gate|up): the parts of one
+#: layer's group must share a format, so a group is kept only when all of it can be.
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_FUSED_PART = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.)(\w+)(\.weight)")
+
+
+def _kept_formats(named: dict[str, Any]) -> dict[str, str]:
+    """Hugging Face name -> our format for each tensor kept in its ggml blocks: every Q4_0,
+    Q4_1 and Q8_0 matrix, except the parts of a fused group whose parts differ in type (say
+    q and k in Q4_0, v in Q8_0), which all load dense (dequantized) rather than fail."""
+    kept = {}
+    for name, tensor in named.items():
+        fmt = tensors.kept_format(tensor)
+        if fmt is not None:
+            kept[name] = fmt
+    for name in list(kept):
+        match = _FUSED_PART.fullmatch(name)
+        group = next((g for g in _FUSED if match and match[2] in g), None)
+        if group is None:
+            continue
+        parts = [f"{match[1]}{part}{match[3]}" for part in group]
+        present = [p for p in parts if p in named]
+        if len({kept.get(p) for p in present}) > 1:  # a None among them: one loads dense
+            for p in present:
+                kept.pop(p, None)
+    return kept
+
+
 class GGUFArtifact:
-    """An opened GGUF file. The header is parsed at open; tensors are read (and dequantized)
-    one at a time from the memory-mapped file when asked for."""
+    """An opened GGUF file. The header is parsed at open (which tensors stay in their ggml
+    blocks is decided there, `_kept_formats`); tensors are read one at a time from the
+    memory-mapped file when asked for."""
 
     #: One file: messages about a tensor name `path`.
     tensor_file = None
-    #: Every tensor is handed out dense for now (see `tensors._keep_quantized`).
-    tensor_format = None
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -67,6 +97,8 @@ class GGUFArtifact:
         self.config: dict[str, Any] = self._checked(
             lambda: hf_config(self.meta, self.architecture, rows, tokens)
         )
+        #: name -> our quantized format, for the tensors `load_weight` keeps in their blocks
+        self._kept = _kept_formats(self._tensors)
 
     def _checked(self, step: Callable[[], T]) -> T:
         """Run `step`; a format problem becomes a `ModelLoadError` naming the file."""
@@ -102,16 +134,25 @@ class GGUFArtifact:
                 return heads
         return None
 
+    def tensor_format(self, name: str) -> str:
+        """The format `load_weight` hands the tensor out in: `Q4G32`, `Q4G32M` or `W8G32`
+        for one kept in its ggml blocks, else the dense one (`fp32` for a dequantized type)."""
+        kept = self._kept.get(name)
+        if kept is not None:
+            return kept
+        return _DENSE_FORMATS.get(self._tensor(name).tensor_type.name, "fp32")
+
     def load_tensor(self, name: str) -> torch.Tensor:
         """Dense, on the CPU: F32/F16/BF16 as stored, a quantized tensor dequantized to float32."""
         tensor = self._tensor(name)
         return self._checked(lambda: tensors.load(tensor, self._heads(name), allow_quantized=False))
 
     def load_weight(self, name: str) -> Any:
-        """The tensor as the model holds it: a `QuantizedTensor` where `_keep_quantized` keeps
-        the ggml blocks, else as `load_tensor`."""
+        """The tensor as the model holds it: a `QuantizedTensor` where `tensor_format` names a
+        quantized format (the ggml blocks as they are), else as `load_tensor`."""
         tensor = self._tensor(name)
-        return self._checked(lambda: tensors.load(tensor, self._heads(name), allow_quantized=True))
+        keep = name in self._kept
+        return self._checked(lambda: tensors.load(tensor, self._heads(name), allow_quantized=keep))
 
     def object_table(self) -> list[GGUFTensorRecord]:
         """Every tensor with its ggml type, torch shape and stored bytes (nothing is read)."""

@@ -4,8 +4,10 @@
 * Shapes: ggml lists dims contiguous-first (`[cols, rows]`); torch's order is the reverse.
 * Rows: llama.cpp's converter permutes the rows of Q and K of Llama-style models
   (`LlamaModel.permute`: each head's two rotary halves interleaved); `unpermute` undoes it.
-* Types: F32, F16 and BF16 load as they are stored; every quantized type is dequantized to
-  float32 by `gguf.quants.dequantize`, unless `_keep_quantized` keeps it in its blocks.
+* Types: F32, F16 and BF16 load as they are stored. A 2-D Q4_0, Q4_1 or Q8_0 matrix can stay
+  in its blocks as a `QuantizedTensor` of ours (Q4G32, Q4G32M, W8G32: the same values,
+  `ninfer_core.quant.ggml`); every other quantized type, and any tensor the artifact asks
+  for dense, is dequantized to float32 by `gguf.quants.dequantize`.
 """
 
 from __future__ import annotations
@@ -92,19 +94,41 @@ def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
+def kept_format(tensor: ReaderTensor) -> str | None:
+    """Our weight format for `tensor` kept in its ggml blocks (`Q4G32`, `Q4G32M`, `W8G32`),
+    or None where it loads dense: a type other than Q4_0, Q4_1, Q8_0, or not a matrix.
+    Headers only; nothing is read."""
+    from ninfer_core.quant.ggml import GGML_FORMATS
+
+    spec = GGML_FORMATS.get(tensor.tensor_type.name)
+    if spec is None or len(tensor.shape) != 2:
+        return None
+    return spec[0]
+
+
 def _keep_quantized(
     tensor: ReaderTensor, shape: tuple[int, ...], heads: int | None
 ) -> QuantizedTensor | None:
     """The tensor kept in its ggml blocks as a `QuantizedTensor` (rows in Hugging Face order:
-    `heads` given means unpermute them), when the runtime computes with that format; None
-    to load it dense.
+    `heads` given means unpermute them); None to load it dense (`kept_format` says which).
 
-    The one place that decides. For now every tensor loads dense; the ggml block formats
-    are to be wired in here (`ninfer_core.quant.ggml.from_ggml_blocks(type_name, raw,
-    (rows, cols))` gives None for a type it does not keep). A block holds part of one row,
-    so the Q/K un-permutation moves whole rows (`QuantizedTensor.index_rows`).
+    The blocks become codes, scales and mins as they are (`from_ggml_blocks`, nothing
+    re-quantized); a block holds part of one row, so the Q/K un-permutation moves whole
+    rows (`QuantizedTensor.index_rows`).
     """
-    return None
+    if kept_format(tensor) is None:
+        return None
+    from ninfer_core.errors import ArtifactError
+    from ninfer_core.quant.ggml import from_ggml_blocks
+
+    try:
+        kept = from_ggml_blocks(tensor.tensor_type.name, tensor.data, (shape[0], shape[1]))
+    except ArtifactError as exc:
+        raise GGUFFormatError(f"tensor {tensor.name!r}: {exc}") from None
+    if kept is None or heads is None:
+        return kept
+    order = unpermute(torch.arange(shape[0]), heads, tensor.name)  # new row i = old order[i]
+    return kept.index_rows(order)
 
 
 def load(tensor: ReaderTensor, heads: int | None, *, allow_quantized: bool) -> Any:

