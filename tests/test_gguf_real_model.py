@@ -215,8 +215,13 @@ def test_kept_blocks_are_the_dequantized_weights(ours):
             assert torch.equal(weight.dequantize(), artifact.load_tensor(name)), name
     assert kept == {"Q4G32M": 210, "W8G32": 1}
     model = ours[0].model
-    assert isinstance(model.embed_tokens, QuantizedTensor)  # the lookup and the tied head
-    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedTensor)  # fp32: as loaded
+    assert isinstance(model.embed_tokens, QuantizedTensor)  # the lookup: rows only
+    # fp32 compute: the projections and the head dequantized once at load, exactly
+    gate_up = artifact.load_weight("model.layers.0.mlp.gate_proj.weight")
+    assert model.layers[0].mlp.gate_up_proj.dtype == torch.float32
+    rows = gate_up.shape[0]
+    assert torch.equal(model.layers[0].mlp.gate_up_proj[:rows], gate_up.dequantize())
+    assert torch.equal(model.packed_head, model.embed_tokens.dequantize())
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

@@ -51,12 +51,20 @@ def int4_packed(fmt_name: str, rows: int, cols: int) -> int:
     return n * k // 2 + n * (k // fmt.group) * 4
 
 
+def dense(fmt_name: str, rows: int, cols: int, size: int = 4) -> int:
+    """Dequantized once at load: `size` bytes a weight (fp32 compute)."""
+    return rows * cols * size
+
+
 def by_hand(recipe: str, packed: bool, dense_size: int) -> int:
+    """bf16 (`packed`): every projection and a copy of the tied head on the int4 kernel;
+    fp32: every projection and the head copy dequantized once, to fp32. The embedding
+    table stays as stored either way (a lookup dequantizes only its rows)."""
     fmts = RECIPES[recipe]
-    size = int4_packed if packed else stored
+    size = int4_packed if packed else dense
     layers = LAYERS * sum(size(fmts[role], *shape) for role, shape in SHAPES.items())
     embed = stored(fmts["embed"], V, H)
-    head_copy = int4_packed(fmts["embed"], V, H) if packed else 0  # tied: a packed copy
+    head_copy = size(fmts["embed"], V, H)  # tied: the head is packed as its own copy
     return layers + embed + head_copy + NORM_WEIGHTS * dense_size
 
 
@@ -90,8 +98,9 @@ def _held(path, dtype: str) -> int:
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_reference_path_holds_the_stored_objects(artifacts, recipe, capsys):
-    # fp32 compute: no int4 packing; quantized matrices stay as stored, norms become fp32
+def test_fp32_holds_the_matrices_dequantized_once(artifacts, recipe, capsys):
+    # fp32 compute: no int4 kernel; projections become dense fp32 at load (never per
+    # step), the embedding table stays as stored, norms become fp32
     want = by_hand(recipe, packed=False, dense_size=4)
     assert _plan(artifacts[recipe], "fp32", capsys) == want
     assert _held(artifacts[recipe], "fp32") == want
@@ -115,4 +124,5 @@ def test_int4_size_from_the_shape_is_the_built_size(fmt, shape):
     assert Int4Linear.nbytes_for(w.fmt, shape) == Int4Linear(w).nbytes
     ops = TorchOps("cpu")
     assert ops.packed_nbytes(fmt, shape, dtype=torch.bfloat16) == Int4Linear(w).nbytes
-    assert ops.packed_nbytes(fmt, shape, dtype=torch.float32) is None  # reference path
+    # fp32: dequantized once at load
+    assert ops.packed_nbytes(fmt, shape, dtype=torch.float32) == shape[0] * shape[1] * 4

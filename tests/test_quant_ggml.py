@@ -152,7 +152,10 @@ def test_stored_bytes_are_the_blocks_information(type_name):
         assert ops.packed_nbytes(fmt.name, (rows, cols), dtype=torch.bfloat16) == (
             Int4Linear(qt).nbytes
         )
-    assert ops.packed_nbytes(fmt.name, (rows, cols), dtype=torch.float32) is None
+    # fp32 compute: dequantized once at load, a dense fp32 matrix of the same numbers
+    dense = ops.pack_linear(qt, dtype=torch.float32)
+    assert torch.equal(dense, qt.dequantize(torch.float32))
+    assert ops.packed_nbytes(fmt.name, (rows, cols), dtype=torch.float32) == dense.nbytes
 
 
 def test_inputs_bytes_buffers_and_tensors_alike():
@@ -276,7 +279,8 @@ def test_linear_in_bf16_and_fp32_against_float64(type_name):
     ops = TorchOps("cpu")
     fast = ops.pack_linear(qt, dtype=torch.bfloat16)
     assert isinstance(fast, Int4Linear) and fast.mins == qt.fmt.mins
-    assert ops.pack_linear(qt, dtype=torch.float32) is qt  # fp32: the exact reference path
+    # fp32: dequantized once at load, the numbers of the exact reference path
+    assert torch.equal(ops.pack_linear(qt, dtype=torch.float32), qt.dequantize(torch.float32))
     for t in (1, 5, Int4Linear.DENSE_MIN_ROWS + 1):  # the kernel, then the dense path
         x = torch.randn(t, cols, generator=gen)
         xb, bb = x.bfloat16(), bias.bfloat16()

@@ -75,13 +75,16 @@ class QuantArtifact:
         return self._inner.read_text(name)
 
 
-def build(artifact, dtype=torch.float32, num_blocks=24):
+def build(artifact, dtype=torch.float32, num_blocks=24, pack=True):
+    """The runner and model of `artifact`; `pack=False` leaves the weights as loaded (the
+    reference path a backend without a kernel for them runs, e.g. on a CUDA device)."""
     family = FAMILIES[artifact.config["architectures"][0]]
     config = family.parse_config(artifact.config)
     ops = register_kernel_backends()[0].create_ops(probe_device(use_cuda=False))
     model = family.build(config, ops, dtype)
     family.load_weights(model, artifact)
-    model.pack_weights()
+    if pack:
+        model.pack_weights()
     spec = RuntimeSpec(num_blocks, BLOCK)
     return assemble_runtime(model, config, dtype, CODECS[KV[dtype]], spec).runner, model
 
@@ -134,7 +137,7 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_fp32_logits_match_dequantized_dense_model(ckpt, name):
-    runner, model = build(QuantArtifact(ckpt, name))
+    runner, model = build(QuantArtifact(ckpt, name), pack=False)
     dense_runner, _ = build(QuantArtifact(ckpt, name, dequantized=True))
     matrices = [
         model.embed_tokens,
@@ -147,13 +150,21 @@ def test_fp32_logits_match_dequantized_dense_model(ckpt, name):
     got, want = logits(runner, ids), logits(dense_runner, ids)
     assert (got - want).abs().max().item() <= 1e-5
     assert greedy(runner, ids[:12]) == greedy(dense_runner, ids[:12])
+    # Packed for fp32 compute, the torch backend dequantizes the projections once, at
+    # load: the same numbers, and no step dequantizes anything again.
+    packed_runner, packed = build(QuantArtifact(ckpt, name))
+    assert isinstance(packed.embed_tokens, QuantizedTensor)  # a lookup: rows only
+    for layer in packed.layers:
+        for w in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(w, torch.Tensor) and w.dtype == torch.float32
+    assert (logits(packed_runner, ids) - want).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_weight_bytes_count_the_stored_formats(ckpt, name):
     artifact = QuantArtifact(ckpt, name)
-    _, model = build(artifact)
-    _, dense = build(QuantArtifact(ckpt, name, dequantized=True))
+    _, model = build(artifact, pack=False)
+    _, dense = build(QuantArtifact(ckpt, name, dequantized=True), pack=False)
     saved = 0
     for slot in weight_plan(model.config):
         fmt = weight_format(artifact.format_of(slot.hf_name))
@@ -171,7 +182,8 @@ def test_weight_bytes_per_weight_match_the_formats_bits(tmp_path):
     matrices = sum(s.shape[0] * s.shape[1] for s in weight_plan(dense.config) if len(s.shape) == 2)
     rest = dense.weight_bytes() - 4 * matrices  # norms (and any caches) stay as they are
     bits = {
-        r: (build(QuantArtifact(path, r))[1].weight_bytes() - rest) * 8 / matrices for r in RECIPES
+        r: (build(QuantArtifact(path, r), pack=False)[1].weight_bytes() - rest) * 8 / matrices
+        for r in RECIPES
     }
     assert bits["q4"] == BITS["Q4G64"] == 4.25
     assert bits["q6"] == BITS["Q6G64"] == 6.25
@@ -229,11 +241,13 @@ def test_int4_linear_against_exact_dequantized_gemm(fmt, monkeypatch):
     assert torch.equal(chunked(x, b), fast)
 
 
-def test_fp32_and_cuda_less_quantized_weights_keep_the_reference_path(ckpt):
+def test_fp32_quantized_weights_are_dequantized_once_at_load(ckpt):
     ops = register_kernel_backends()[0].create_ops(probe_device(use_cuda=False))
     qt = quantize(torch.randn(64, 64), "Q4G64")
-    assert ops.pack_linear(qt, dtype=torch.float32) is qt
-    assert ops.pack_linear(qt) is qt
+    dense = ops.pack_linear(qt, dtype=torch.float32)
+    assert torch.equal(dense, qt.dequantize(torch.float32))
+    assert ops.packed_nbytes("Q4G64", (64, 64), dtype=torch.float32) == dense.nbytes
+    assert ops.pack_linear(qt) is qt  # no compute dtype said: kept as it is
 
 
 # --------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class TorchOps(KernelOps):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
+        #: `apply_rope`'s full-width cos and signed sin, derived from the step's cos/sin
+        #: by the first layer and reused by the rest (the step's tensors are the key).
+        self._rope_tables: tuple[torch.Tensor, ...] = ()
 
     def linear(self, x, w, b=None):
         if isinstance(w, Int4Linear):
@@ -61,15 +64,27 @@ class TorchOps(KernelOps):
         weights at close to memory bandwidth (about 1.5-3x `F.linear` on plain
         row-major weights here), with identical results in bf16.
 
-        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`;
-        otherwise it stays as it is and `linear` runs the exact reference path."""
+        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`. In
+        any other dtype on the CPU (fp32, fp16) it is dequantized once, here, into a
+        dense matrix of `dtype` (the exact numbers of the reference path, which would
+        otherwise dequantize it again on every step): `dtype.itemsize` bytes a weight
+        instead of about half a byte, which `packed_nbytes` tells `ninfer plan`. Elsewhere
+        (a CUDA device, until a GPU kernel reads the codes) it stays as it is and
+        `linear` runs the reference path."""
         if isinstance(w, QuantizedTensor):
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
+            if self._dequantizes_once(dtype):
+                return w.dequantize(dtype)
             return w
         if not self._reorders_dense(w.dtype):
             return w
         return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+
+    def _dequantizes_once(self, dtype: torch.dtype | None) -> bool:
+        """Whether `pack_linear` turns a quantized matrix the int4 kernel can't run for
+        `dtype` into a dense one at load (the CPU, any float dtype)."""
+        return self.device.type == "cpu" and dtype is not None and dtype.is_floating_point
 
     def _reorders_dense(self, dtype: torch.dtype | None) -> bool:
         """Whether `pack_linear` reorders a dense matrix of `dtype` into oneDNN's layout."""
@@ -83,29 +98,40 @@ class TorchOps(KernelOps):
         if fmt.quantized:
             if int4_format_supported(fmt, self.device, dtype):
                 return Int4Linear.nbytes_for(fmt, shape)
+            if self._dequantizes_once(dtype):
+                return shape[0] * shape[1] * dtype.itemsize  # the dense matrix
             return None
         if not self._reorders_dense(dtype):
             return None
         return shape[0] * shape[1] * dtype.itemsize  # the blocked layout, same bytes
 
     def rms_norm(self, x, w, eps):
-        # Statistics in fp32, then back to x.dtype before the weight, as transformers does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return w * xf.to(x.dtype)
+        # Statistics in fp32, then to the weight's dtype before the weight, as transformers
+        # does (x.dtype there: the same unless x is the fp32 residual stream).
+        # F.rms_norm: one fused kernel for the statistics and the scaling (same numbers).
+        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(w.dtype)
 
     def silu_and_mul(self, gate, up):
         return F.silu(gate) * up
 
     def apply_rope(self, q, k, cos, sin):
+        """q and k rotated together, in four ops: x * cos + rotate_half(x) * sin with
+        cos repeated to the full width and sin signed (-sin | sin), both derived once a
+        step. Each output element rounds once (addcmul), not after every product."""
         # q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D/2] -> broadcast over heads
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos_full, sin_signed = self._rope_full(cos, sin)  # [T, 1, D]
+        qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, D]
+        x1, x2 = qk.chunk(2, dim=-1)
+        out = torch.addcmul(qk * cos_full, torch.cat((x2, x1), dim=-1), sin_signed)
+        return out[:, : q.shape[1]], out[:, q.shape[1] :]
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-        return rotate(q), rotate(k)
+    def _rope_full(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tables = self._rope_tables
+        if not tables or tables[0] is not cos or tables[1] is not sin:
+            full = torch.cat((cos, cos), dim=-1)[:, None, :]
+            signed = torch.cat((-sin, sin), dim=-1)[:, None, :]
+            self._rope_tables = tables = (cos, sin, full, signed)
+        return tables[2], tables[3]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-sequence query offsets, the keys each sequence reads (a decode row's
@@ -194,22 +220,26 @@ def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: 
 def _decode_one(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, valid: int
 ) -> torch.Tensor:
-    """One query token over the first `valid` keys, grouped heads as a batched matmul.
+    """One query token over the first `valid` keys, grouped heads as a batched matmul,
+    all in fp32.
 
-    CPU SDPA spends most of its time on setup for a single query row; two small
-    matmuls with the softmax in fp32 are several times faster and as exact. Keys past
-    `valid` (the padding `decode_length` adds) get probability exactly 0; they must be
-    finite, which the zeroed pools guarantee.
+    CPU SDPA spends most of its time on setup for a single query row on some CPUs; two
+    small matmuls are as exact. They run in fp32 whatever the model's dtype: for these
+    shapes (a few query rows per KV head) the CPU's bf16 matmul costs about twice an
+    fp32 one plus the casts (measured 72 against 36+12 us a layer at 320 keys, one
+    thread), and fp32 keeps every score and probability unrounded. Keys past `valid`
+    (the padding `decode_length` adds) get probability exactly 0; they must be finite,
+    which the zeroed pools guarantee.
     """
     # q: [1, H, D], k/v: [Hkv, L, D] with L >= valid -> [1, H, D]
     h, d = q.shape[1], q.shape[2]
     hkv = k.shape[0]
-    qg = q[0].view(hkv, h // hkv, d)  # [Hkv, G, D]
-    scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale  # [Hkv, G, L]
+    qg = q[0].view(hkv, h // hkv, d).float()  # [Hkv, G, D]
+    scores = torch.matmul(qg, k.float().transpose(1, 2)).mul_(scale)  # [Hkv, G, L]
     if valid < scores.shape[-1]:
         scores[..., valid:] = float("-inf")
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(1, h, d)  # [Hkv, G, D] -> [1, H, D]
+    out = torch.matmul(scores.softmax(dim=-1), v.float())  # [Hkv, G, D]
+    return out.reshape(1, h, d).to(q.dtype)
 
 
 def int4_format_supported(

@@ -110,10 +110,14 @@ class DenseDecoder(nn.Module):
         # layer keeps paged K/V (`dense_caches`)
         self.ops.prepare(meta)
         cos, sin = self.rotary(positions, self.dtype)  # cos, sin: [T, D/2], once per step
+        # The residual stream stays in fp32 whatever the compute dtype: each layer adds
+        # its output to it without rounding it to bf16 (30 roundings of the stream were
+        # the largest part of bf16's error against fp32, and flipped SmolLM2's near-tied
+        # greedy answers). The norms hand the GEMMs the compute dtype; no op is added.
         if isinstance(self.embed_tokens, QuantizedTensor):
-            x = self.embed_tokens.embedding(input_ids, self.dtype)  # only these rows
+            x = self.embed_tokens.embedding(input_ids, torch.float32)  # only these rows
         else:
-            x = self.embed_tokens[input_ids]
+            x = self.embed_tokens[input_ids].float()
         for layer in self.layers:
             x = layer(x, cos, sin, kv_store, meta)
         return self.norm(x)

@@ -90,7 +90,11 @@ class KernelOps:
         return w
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [..., N], w: [N] -> [..., N]; statistics in fp32, result in x.dtype."""
+        """x: [..., N], w: [N] -> [..., N]; statistics in fp32, result in w.dtype.
+
+        `x` may be wider than `w` (the dense decoder keeps its residual stream in fp32
+        while its weights are bf16); the result is in the weight's dtype, the one the
+        next GEMM reads. Same dtypes: the same as HF's `x.float()` ... `.to(x.dtype)`."""
         raise NotImplementedError
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
