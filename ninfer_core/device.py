@@ -145,9 +145,12 @@ def simulated_device(name: str) -> DeviceInfo:
 #: docs/performance.md). Read once, when the OpenMP runtime and oneDNN start, so setting them
 #: after `import torch` does nothing.
 CPU_RUNTIME_ENV = {
-    # OpenMP threads sleep at a barrier instead of spinning: spinning threads steal the time
-    # slice a descheduled sibling needs, which made decode 10-50x slower on a busy box.
-    "OMP_WAIT_POLICY": "PASSIVE",
+    # GNU OpenMP threads spin a bounded while at a barrier, then sleep. Its default spin
+    # (300,000) steals the time slice a descheduled sibling needs: decode 5-50x slower on
+    # a busy box. Not spinning at all (OMP_WAIT_POLICY=PASSIVE) pays a wake-up per parallel
+    # region, 2.6x slower decode on a quiet one. 10,000 was as fast as the default quiet
+    # and as passive beside busy processes (docs/performance.md).
+    "GOMP_SPINCOUNT": "10000",
     # oneDNN (and ideep, torch's wrapper) keep one compiled kernel per matmul shape, about
     # 1 MiB each, 1024 of each by default: prompts of many lengths grew RSS by GBs.
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128",
@@ -159,12 +162,12 @@ DEFAULT_KERNEL_CACHE_CAPACITY = 1024
 
 def configure_cpu_runtime(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Set `CPU_RUNTIME_ENV`'s defaults in `environ` (default `os.environ`) where unset (the
-    wait policy also where `GOMP_SPINCOUNT` is set); return what was set. Call before torch
+    spin count also where `OMP_WAIT_POLICY` is set); return what was set. Call before torch
     is imported: the entry points do."""
     env = os.environ if environ is None else environ
     chosen = {k: v for k, v in CPU_RUNTIME_ENV.items() if k not in env}
-    if "GOMP_SPINCOUNT" in env:  # the user chose how long GNU OpenMP spins: keep it
-        chosen.pop("OMP_WAIT_POLICY", None)
+    if "OMP_WAIT_POLICY" in env:  # the user chose how OpenMP threads wait: keep it
+        chosen.pop("GOMP_SPINCOUNT", None)
     env.update(chosen)
     return chosen
 
@@ -183,8 +186,13 @@ def kernel_cache_capacity(environ: dict[str, str] | None = None) -> int:
 
 def thread_summary() -> str:
     """The CPU threads the runtime uses and how they wait, for startup output:
-    `torch threads: 2 (OMP_WAIT_POLICY=PASSIVE; --threads N to change)`."""
+    `torch threads: 2 (GOMP_SPINCOUNT=10000: spin, then sleep)`."""
     import torch
 
-    policy = os.environ.get("OMP_WAIT_POLICY") or "unset (spin, then sleep)"
-    return f"torch threads: {torch.get_num_threads()} (OMP_WAIT_POLICY={policy})"
+    if policy := os.environ.get("OMP_WAIT_POLICY"):
+        wait = f"OMP_WAIT_POLICY={policy}"
+    elif spin := os.environ.get("GOMP_SPINCOUNT"):
+        wait = f"GOMP_SPINCOUNT={spin}: spin, then sleep"
+    else:
+        wait = "OpenMP's default wait: spin 300,000 times, then sleep"
+    return f"torch threads: {torch.get_num_threads()} ({wait})"

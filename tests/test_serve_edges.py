@@ -260,7 +260,7 @@ def test_serve_listens_on_a_host_list_and_prints_the_real_addresses(model_dir):
     assert proc.returncode == 0, err
     expected = f"http://0.0.0.0:{port}" + (f", http://[::1]:{port}" if "::1" in hosts else "")
     assert f"listening on {expected} (" in out, out
-    assert "torch threads: 1 (OMP_WAIT_POLICY=" in out, out
+    assert "torch threads: 1 (GOMP_SPINCOUNT=10000: spin, then sleep)" in out, out
 
 
 def test_an_empty_api_key_is_refused_from_the_environment_as_from_the_option(monkeypatch, capsys):

@@ -64,9 +64,9 @@ class ThreadsBenchConfig:
 
     threads: str = opt("1,2", "comma-separated torch thread counts")
     policies: str = opt(
-        "unset,passive",
+        "spin:10000,passive,unset",
         "comma-separated OMP_WAIT_POLICY values (unset: OpenMP's default; spin:N: "
-        "GOMP_SPINCOUNT=N instead)",
+        "GOMP_SPINCOUNT=N instead; spin:10000 is what ninfer sets)",
     )
     new: int = opt(300, "tokens per timed generation (greedy, eos ignored)")
     repeats: int = opt(2, "timed generations per configuration; the best counts")
