@@ -67,15 +67,15 @@ def test_bench_decode_reports_the_choice_of_its_own_load(model_dir, monkeypatch,
 
     def fake_bench(cfg, model):  # the figures are beside the point: the header is
         row = dict.fromkeys(
-            ("ninfer_decode_tok_s", "transformers_decode_tok_s", "ratio", "ceiling_tok_s",
-             "ninfer_pct_of_ceiling", "transformers_pct_of_ceiling", "ninfer_prefill_tok_s",
-             "transformers_prefill_tok_s", "ninfer_cpu_share", "transformers_cpu_share",
+            ("ninfer_decode_tok_s", "peer_decode_tok_s", "ratio", "ceiling_tok_s",
+             "ninfer_pct_of_ceiling", "peer_pct_of_ceiling", "ninfer_prefill_tok_s",
+             "peer_prefill_tok_s", "prefill_ratio", "ninfer_cpu_share", "peer_cpu_share",
              "weight_bytes_per_token", "kv_bytes_per_token"), 1.0,
         )  # fmt: skip
         row |= {"dtype": "fp32", "greedy_ids_agree": 3, "new_tokens": 3}
         row["kernel_ops"] = run.kernel_ops
-        return {"model": model, "threads": 1, "prompt_tokens": 16, "new_tokens": 3,
-                "repeats": 1, "read_gb_s": 1.0, "rows": [row]}  # fmt: skip
+        return {"model": model, "peer": "transformers", "threads": 1, "prompt_tokens": 16,
+                "new_tokens": 3, "repeats": 1, "read_gb_s": 1.0, "rows": [row]}  # fmt: skip
 
     monkeypatch.setattr(decode, "run_bench", fake_bench)
     assert main(["bench", "decode", str(model_dir)]) == 0

@@ -3,8 +3,10 @@
 One module per benchmark, plus what they share. For `ninfer bench decode`: `checkpoint`
 builds the benchmark model (Qwen3-0.6B shapes, random weights, the real Qwen vocabulary)
 once and caches it, `bandwidth` measures memory bandwidth and turns it into a decode
-ceiling, and `decode` times ninfer against transformers `generate`. Nothing here is
-imported by the engine, and transformers is imported only when a benchmark runs.
+ceiling, `decode` times ninfer against a peer (llama.cpp through `llama-cpp-python` on a
+GGUF, transformers `generate` on a folder) and `step_profile` splits ninfer's decode step
+by part. Nothing here is imported by the engine, and transformers and llama.cpp are
+imported only when a benchmark runs them.
 
 Every bench prints which kernel backend served each op (`kernel_ops_line`), from the
 record the load made (`LoadedModel.kernels`, reported by `ninfer-serve`'s `/health`).

@@ -181,11 +181,28 @@ def ensure_checkpoint(path: Path | None = None) -> Path:
 
 
 def prompt_ids(path: Path, n: int) -> list[int]:
-    """Exactly `n` ids of real English text, from the folder's own tokenizer.json."""
+    """Exactly `n` ids of real English text, from the model's own tokenizer: a folder's
+    `tokenizer.json`, or the one any other artifact (a `.ninfer`, a GGUF's metadata) serves."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    per_copy = tok.encode(PROSE, add_special_tokens=False).ids
-    copies = -(-n // len(per_copy))
-    ids = tok.encode(PROSE * copies, add_special_tokens=False).ids
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    else:
+        from ninfer_core.loading import open_artifact
+        from ninfer_core.plugin_host import create_host
+
+        artifact = open_artifact(create_host(), path)
+        try:
+            text = artifact.read_text("tokenizer.json")
+        finally:
+            close = getattr(artifact, "close", None)
+            if close is not None:
+                close()
+        if text is None:
+            raise NInferError(f"{path}: the model has no tokenizer to make the prompt with")
+        tok = Tokenizer.from_str(text)
+    per_copy = len(tok.encode(PROSE, add_special_tokens=False).ids)
+    # One copy more than `n` needs: where copies meet, two tokens may merge into one.
+    ids = tok.encode(PROSE * (n // per_copy + 1), add_special_tokens=False).ids
     return ids[:n]

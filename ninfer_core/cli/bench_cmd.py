@@ -1,4 +1,4 @@
-"""`ninfer bench ...`: decode speed against transformers, artifacts, engine, KV, serving.
+"""`ninfer bench ...`: decode speed against a peer, artifacts, GGUF, engine, KV, serving.
 
 A benchmark, not a test: it takes minutes and its figures depend on the machine. The
 work is in `ninfer_core.bench`; this module parses options and prints the table.
@@ -26,18 +26,6 @@ from ninfer_core.bench.threads import ThreadsBenchConfig
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.errors import NInferError
 
-HEADER = (
-    "dtype",
-    "ninfer tok/s",
-    "transformers tok/s",
-    "ratio",
-    "ceiling tok/s",
-    "% of ceiling (ninfer / tf)",
-    "prefill tok/s (ninfer / tf)",
-    "greedy ids agree",
-    "CPU share (ninfer / tf)",
-)
-
 
 def _bench(
     benches: argparse._SubParsersAction,
@@ -62,10 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     _bench(
         benches, "decode", DecodeBenchConfig, run,
-        help="decode tok/s of ninfer and transformers generate, bf16 and fp32",
-        description="Greedy decode tok/s of ninfer and transformers `generate` on the same "
-        "checkpoint (default: Qwen3-0.6B shapes, random weights, the real Qwen vocabulary, "
-        "built and cached on first use), with the memory-bandwidth ceiling.",
+        help="prefill/decode tok/s of ninfer against llama.cpp (a .gguf) or transformers",
+        description="Greedy prefill and decode tok/s of ninfer and a peer on the same model: "
+        "llama.cpp (llama-cpp-python, when installed) for a .gguf file, transformers "
+        "`generate` for a folder (default: Qwen3-0.6B shapes, random weights, the real Qwen "
+        "vocabulary, built and cached on first use); with the memory-bandwidth ceiling, the "
+        "greedy ids both agree on, each engine's CPU share and ninfer's decode step "
+        "broken down by part.",
+        default="the benchmark checkpoint; also a .ninfer or .gguf file",
     )  # fmt: skip
     _bench(
         benches, "artifact", ArtifactBenchConfig, run_artifact,
@@ -138,26 +130,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         b.set_defaults(bench_module=f"ninfer_core.bench.{name}", bench_config=config)
 
 
-def table(result: dict) -> str:
-    """The figures as a Markdown table (what bench/README.md keeps)."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
-    for r in result["rows"]:
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-        cells = (
-            r["dtype"],
-            f"{r['ninfer_decode_tok_s']:.1f}",
-            f"{r['transformers_decode_tok_s']:.1f}",
-            ratio,
-            f"{r['ceiling_tok_s']:.1f}",
-            f"{r['ninfer_pct_of_ceiling']:.0f}% / {r['transformers_pct_of_ceiling']:.0f}%",
-            f"{r['ninfer_prefill_tok_s']:.0f} / {r['transformers_prefill_tok_s']:.0f}",
-            f"{r['greedy_ids_agree']} of {r['new_tokens']}",
-            f"{r['ninfer_cpu_share']:.2f} / {r['transformers_cpu_share']:.2f}",
-        )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def _emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> int:
     """A bench's figures on stdout: JSON, or the bench's own table."""
     if as_json:
@@ -169,7 +141,7 @@ def _emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ninfer_core.bench.decode import run_bench
+    from ninfer_core.bench.decode import render, run_bench
 
     cfg = config_from_args(DecodeBenchConfig, ns)
     _check(cfg)
@@ -177,32 +149,7 @@ def run(ns: argparse.Namespace) -> int:
         cfg.dtype_list()
     except ValueError as exc:
         raise NInferError(str(exc)) from None
-    result = run_bench(cfg, ns.model)
-    if cfg.as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    print(f"model: {result['model']}")
-    print(
-        f"threads: {result['threads']}, prompt {result['prompt_tokens']} tokens, "
-        f"{result['new_tokens']} new, best of {result['repeats']}, "
-        f"read bandwidth {result['read_gb_s']:.1f} GB/s"
-    )
-    for r in result["rows"]:
-        print(
-            f"{r['dtype']}: {r['weight_bytes_per_token'] / 1e9:.3f} GB weights + "
-            f"{r['kv_bytes_per_token'] / 1e6:.1f} MB KV read per token; "
-            f"{kernel_ops_line(r['kernel_ops'])}"
-        )
-    print()
-    print(table(result))
-    shares = [r[k] for r in result["rows"] for k in ("ninfer_cpu_share", "transformers_cpu_share")]
-    if min(shares) < 0.9:
-        print(
-            "\nwarning: a timed run got under 90% of its threads' CPU time; other processes "
-            "were running and its figures are low. Rerun on a quiet machine."
-        )
-    return 0
+    return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
 
 
 def _check(cfg: TimedRunConfig) -> None:
