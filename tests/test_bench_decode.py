@@ -19,6 +19,7 @@ import pytest
 
 import ninfer_core.bench.bandwidth as bandwidth
 import ninfer_core.bench.decode as decode
+import ninfer_core.bench.peers as peers
 from ninfer_core.cli.main import main
 from ninfer_core.errors import NInferError
 from ninfer_core.smollm2 import smollm2_path
@@ -120,7 +121,7 @@ def test_auto_picks_llama_cpp_for_a_gguf_and_scores_its_scripted_run(
     assert row["greedy_ids_agree"] == 2 and row["new_tokens"] == NEW
     assert row["peer_cpu_share"] < 0.5  # it slept
     # the ceiling: the file's tensor bytes (plus KV) at the stubbed 10 GB/s
-    weights = decode.gguf_weight_bytes(gguf_path)
+    weights = peers.gguf_weight_bytes(gguf_path)
     assert 80e6 < weights <= gguf_path.stat().st_size and row["weight_bytes_per_token"] == weights
     total = weights + row["kv_bytes_per_token"]
     assert row["ceiling_tok_s"] == pytest.approx(10.0 * 1e9 / total)
@@ -166,11 +167,11 @@ def test_no_breakdown_leaves_it_out(gguf_path, fake_llama_cpp, capsys):
 def test_llama_cpp_asked_for_but_missing_fails_with_the_install_line(
     gguf_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(decode, "llama_cpp_installed", lambda: False)
+    monkeypatch.setattr(peers, "llama_cpp_installed", lambda: False)
     assert main(["bench", "decode", str(gguf_path), *SMALL, "--peer", "llama.cpp"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
-    assert f"pip install llama-cpp-python=={decode.LLAMA_CPP_VERSION}" in err
+    assert f"pip install llama-cpp-python=={peers.LLAMA_CPP_VERSION}" in err
 
 
 def test_peer_choice(tmp_path, monkeypatch):
@@ -178,18 +179,18 @@ def test_peer_choice(tmp_path, monkeypatch):
     gguf.write_bytes(b"")
     packed.write_bytes(b"")
     folder.mkdir()
-    monkeypatch.setattr(decode, "llama_cpp_installed", lambda: True)
-    assert decode.choose_peer("auto", gguf)[0] == "llama.cpp"
-    assert decode.choose_peer("none", gguf) == (None, "not run (--peer none)")
+    monkeypatch.setattr(peers, "llama_cpp_installed", lambda: True)
+    assert peers.choose_peer("auto", gguf)[0] == "llama.cpp"
+    assert peers.choose_peer("none", gguf) == (None, "not run (--peer none)")
     with pytest.raises(NInferError, match=r"runs \.gguf files only"):
-        decode.choose_peer("llama.cpp", folder)
+        peers.choose_peer("llama.cpp", folder)
     with pytest.raises(NInferError, match="use --peer none"):
-        decode.choose_peer("transformers", packed)
-    peer, why = decode.choose_peer("auto", packed)  # nothing else loads a .ninfer
+        peers.choose_peer("transformers", packed)
+    peer, why = peers.choose_peer("auto", packed)  # nothing else loads a .ninfer
     assert peer is None and why.startswith("not run")
-    monkeypatch.setattr(decode, "llama_cpp_installed", lambda: False)
-    peer, why = decode.choose_peer("auto", gguf)  # transformers if it can, saying why not
-    assert peer in ("transformers", None) and decode.LLAMA_CPP_INSTALL in why
+    monkeypatch.setattr(peers, "llama_cpp_installed", lambda: False)
+    peer, why = peers.choose_peer("auto", gguf)  # transformers if it can, saying why not
+    assert peer in ("transformers", None) and peers.LLAMA_CPP_INSTALL in why
 
 
 def test_render_without_a_peer():

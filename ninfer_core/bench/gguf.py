@@ -28,15 +28,8 @@ import torch
 
 from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.checkpoint import prompt_ids
-from ninfer_core.bench.decode import (
-    LLAMA_CPP_INSTALL,
-    EngineRun,
-    TimedRunConfig,
-    agreeing_prefix,
-    llama_cpp_installed,
-    run_llama_cpp,
-    run_ninfer,
-)
+from ninfer_core.bench.decode import EngineRun, TimedRunConfig, agreeing_prefix, run_ninfer
+from ninfer_core.bench.peers import LLAMA_CPP_INSTALL, llama_cpp_installed, run_llama_cpp
 from ninfer_core.config import opt
 from ninfer_core.errors import NInferError
 
