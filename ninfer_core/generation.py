@@ -73,7 +73,8 @@ def one_request_engine(
     context = min(runtime.max_context, loaded.config.max_position_embeddings)
     config = EngineConfig(max_concurrency=1, max_context=context,
                           block_size=runtime.block_size, prefix_cache=False)  # fmt: skip
-    return Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype, seed=seed)
+    return Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype,
+                  compile_decode=runtime.compile_decode, seed=seed)  # fmt: skip
 
 
 def room_for(engine: Engine, prompt_len: int, wanted: int) -> int:

@@ -119,6 +119,32 @@ class GatherHeads(Protocol):
         ...
 
 
+class WriteLayers(Protocol):
+    def __call__(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one step's new tokens of every layer at once. slots: [T] int64;
+        k, v: [num_layers, T, Hkv, D] in any float dtype."""
+        ...
+
+
+class DecodeGraph(Protocol):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_store: KVStore,
+        block_table: torch.Tensor,
+        context: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode token of one sequence as a single traceable function (no host
+        reads, no Python branching on tensor values) for `torch.compile`:
+        input_ids, positions: [1]; block_table: [P] int64 pages covering the context,
+        padded with page 0; context: 0-dim int64, the context length with this token.
+        Reads the cached K/V but writes nothing: returns (logits [1, vocab] fp32, the
+        token's k and v [num_layers, 1, Hkv, D]) for the caller to store
+        (`KVStore.write_layers`)."""
+        ...
+
+
 class PackedSizer(Protocol):
     def __call__(self, fmt: str, shape: tuple[int, int], *, dtype: torch.dtype) -> int | None:
         """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt` and run in
@@ -232,6 +258,10 @@ class CausalLM(Protocol):
         """Hand every weight to the kernel backend's `pack_linear`, once, after loading."""
         ...
 
+    #: None: every step runs `forward`. Otherwise the single-sequence decode step as one
+    #: function `torch.compile` can capture whole (`ninfer_core/engine/compiled_step.py`).
+    decode_graph: DecodeGraph | None = None
+
     def weight_bytes(self) -> int:
         """Bytes the weights hold, packed copies included, each object counted once."""
         ...
@@ -299,6 +329,9 @@ class KVStore(Protocol):
 
     #: None: attention transposes what `gather` returns.
     gather_heads: GatherHeads | None = None
+    #: None: a step's K/V go in layer by layer (`write`). A compiled decode step stores
+    #: every layer's in one call when the store offers it, and needs it.
+    write_layers: WriteLayers | None = None
     #: None: K and V are stored as given. Otherwise they are stored rotated, and
     #: `gather_heads(..., rotated=True)` (then required) returns them still rotated.
     rotation: HeadRotation | None = None

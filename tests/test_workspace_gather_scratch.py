@@ -29,6 +29,7 @@ class OldStore:
 
     gather_heads = None
     rotation = None
+    write_layers = None
 
     def __init__(self, layout, device, compute_dtype) -> None:
         self.layout, self.device = layout, torch.device(device)

@@ -98,6 +98,9 @@ def _spans(meta) -> list[tuple[int, int]]:
 
 
 class ToyRecurrentLM(nn.Module):
+    #: Every step runs `forward` (no capturable decode step).
+    decode_graph = None
+
     def __init__(self, config: ModelConfig, ops, dtype, kinds, size) -> None:
         super().__init__()
         self.config, self.ops, self.dtype = config, ops, dtype

@@ -67,6 +67,9 @@ class DecodeBenchConfig(TimedRunConfig):
     breakdown: bool = opt(
         True, "after the timed runs, profile NInfer's decode step (ms per step by part)"
     )
+    compile_decode: bool = opt(
+        False, "NInfer decodes through its compiled step (compiled in the warm-up run)"
+    )
 
     def dtype_list(self) -> list[str]:
         names = [d.strip() for d in self.dtypes.split(",") if d.strip()]
@@ -90,6 +93,8 @@ class EngineRun:
     kernel_ops: list[dict] = field(default_factory=list)
     #: NInfer's runs with `breakdown=True`: where a decode step's time went.
     breakdown: StepBreakdown | None = None
+    #: NInfer's runs with `compile_decode=True`: whether the compiled decode step ran.
+    compiled: str | None = None
 
 
 class CpuShare:
@@ -111,11 +116,20 @@ def best_of(runs: list[EngineRun]) -> EngineRun:
 
 
 def run_ninfer(
-    path: Path, dtype: str, prompt: list[int], new: int, repeats: int, *, breakdown: bool = False
+    path: Path,
+    dtype: str,
+    prompt: list[int],
+    new: int,
+    repeats: int,
+    *,
+    breakdown: bool = False,
+    compile_decode: bool = False,
 ) -> EngineRun:
     """NInfer's figures: the request through the engine as `ninfer generate` runs it. With
     `breakdown`, one more request after the timed runs, on the same engine, is profiled
-    (`step_profile.profile_decode`) into `EngineRun.breakdown`."""
+    (`step_profile.profile_decode`) into `EngineRun.breakdown`. With `compile_decode`, the
+    warm-up generation compiles the decode step (`engine/compiled_step.py`), and
+    `EngineRun.compiled` says whether the timed runs used it."""
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
     from ninfer_core.engine.request import GenerationRequest
@@ -125,7 +139,8 @@ def run_ninfer(
     from ninfer_core.sampling import SamplingParams
 
     host, device = create_host(), probe_device()
-    runtime = RuntimeConfig(dtype=dtype, max_context=max(4096, len(prompt) + new + 1))
+    runtime = RuntimeConfig(dtype=dtype, max_context=max(4096, len(prompt) + new + 1),
+                            compile_decode=compile_decode)  # fmt: skip
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
     kernel_ops = [c.to_json() for c in loaded.kernels]
@@ -147,6 +162,8 @@ def run_ninfer(
             runs.append(EngineRun(stats.prefill_tok_s, stats.decode_tok_s,
                                   list(stats.token_ids), cpu.share, kernel_ops))  # fmt: skip
         best = best_of(runs)
+        if compile_decode:
+            best = replace(best, compiled=compiled_note(engine.runner))
         if breakdown:
             from ninfer_core.bench.step_profile import profile_decode
 
@@ -154,6 +171,18 @@ def run_ninfer(
     finally:
         engine.close()
     return best
+
+
+def compiled_note(runner) -> str:
+    """What became of `--compile-decode` on `runner`: used, failed or refused, and why."""
+    from ninfer_core.engine.compiled_step import capture_refusal
+
+    compiled = runner.compiled
+    if compiled is None:
+        return f"not used: {capture_refusal(runner.model, runner.kv_store)}"
+    if compiled.failed is not None:
+        return f"failed, decoded eagerly: {compiled.failed}"
+    return f"used ({compiled.steps} steps)"
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -221,7 +250,8 @@ def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
         need = decode_bytes(config, size, size, cfg.prompt_tokens + cfg.new / 2)
         if file_bytes is not None:
             need = DecodeBytes(weights=file_bytes, kv=need.kv)
-        ours = run_ninfer(path, dtype, prompt, cfg.new, cfg.repeats, breakdown=cfg.breakdown)
+        ours = run_ninfer(path, dtype, prompt, cfg.new, cfg.repeats, breakdown=cfg.breakdown,
+                          compile_decode=cfg.compile_decode)  # fmt: skip
         gc.collect()  # one engine at a time: NInfer's is gone before the peer loads
         ref: EngineRun | None = None
         if peer == "transformers":
@@ -252,6 +282,7 @@ def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
             "new_tokens": cfg.new,
             "kernel_ops": ours.kernel_ops,
             "breakdown": ours.breakdown.to_json() if ours.breakdown else None,
+            "compiled_decode": ours.compiled,
         })  # fmt: skip
     return {
         "model": str(path),
@@ -340,6 +371,11 @@ def render(result: Mapping[str, Any]) -> str:
             f"{r['dtype']}: {r['weight_bytes_per_token'] / 1e9:.3f} GB weights"
             f"{f' ({source})' if source else ''} + {r['kv_bytes_per_token'] / 1e6:.1f} MB KV "
             f"read per token; {kernel_ops_line(r['kernel_ops'])}"
+            + (
+                f"; compiled decode step: {r['compiled_decode']}"
+                if r.get("compiled_decode")
+                else ""
+            )
         )
     lines += ["", table(result)]
     for r in result["rows"]:

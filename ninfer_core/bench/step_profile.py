@@ -25,7 +25,11 @@ from typing import Any
 import torch
 
 #: Parts in the order the breakdown prints them (those never seen are left out).
+#: The compiled decode step (`engine/compiled_step.py`), timed whole: every layer's ops,
+#: the head and the K/V store.
+COMPILED = "compiled step (every layer, head, KV store)"
 ORDER = (
+    COMPILED,
     "linear",
     "attention: kv write",
     "attention: kv gather",
@@ -127,16 +131,13 @@ class StepProfiler:
         runner = engine.runner
         model, ops, store = runner.model, runner.model.ops, runner.kv_store
         self._names = _weight_names(model)
-        self._wrap(ops, "linear", "linear")
-        self._wrap(ops, "rms_norm", "rms_norm")
-        self._wrap(ops, "apply_rope", "rope")
-        self._wrap(ops, "silu_and_mul", "activation (silu*mul)")
-        self._wrap(ops, "paged_attention", "attention: compute")
-        self._wrap(ops, "prepare", "attention: per-step plan")
-        self._wrap(store, "write", "attention: kv write")
-        self._wrap(store, "gather_heads", "attention: kv gather")
-        self._wrap(store, "gather", "attention: kv gather")
-        self._wrap(model, "compute_logits", "logits (head output to fp32)")
+        compiled = runner.compiled
+        if compiled is not None and compiled.failed is None:
+            # Its ops were traced into the graph: wrapping them now would change what the
+            # graph was compiled against. The step is timed whole.
+            self._wrap(compiled, "run", COMPILED)
+        else:
+            self._wrap_ops(ops, store, model)
         self._wrap(engine.sampler, "sample", "sampling")
         self._wrap(runner, "prepare", "metadata (host)")
         original_step = engine.step
@@ -151,6 +152,18 @@ class StepProfiler:
         self._saved.append((engine, "step", "step" in vars(engine), vars(engine).get("step")))
         engine.step = step
         return self
+
+    def _wrap_ops(self, ops: Any, store: Any, model: torch.nn.Module) -> None:
+        self._wrap(ops, "linear", "linear")
+        self._wrap(ops, "rms_norm", "rms_norm")
+        self._wrap(ops, "apply_rope", "rope")
+        self._wrap(ops, "silu_and_mul", "activation (silu*mul)")
+        self._wrap(ops, "paged_attention", "attention: compute")
+        self._wrap(ops, "prepare", "attention: per-step plan")
+        self._wrap(store, "write", "attention: kv write")
+        self._wrap(store, "gather_heads", "attention: kv gather")
+        self._wrap(store, "gather", "attention: kv gather")
+        self._wrap(model, "compute_logits", "logits (head output to fp32)")
 
     def __exit__(self, *exc: object) -> None:
         for obj, attr, own, value in reversed(self._saved):

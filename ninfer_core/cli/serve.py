@@ -247,7 +247,8 @@ def load_state(
         torch.set_num_threads(runtime.threads)
     loaded = load_model(model or default_model(), host=host, device=device, runtime=runtime)
     print_model_kernels(loaded)
-    engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype)
+    engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype,
+                    compile_decode=runtime.compile_decode)  # fmt: skip
     tokenizer = engine.tokenizer
     options = ServeOptions(
         model_id=serve.model_id or default_model_id(model),

@@ -74,6 +74,7 @@ class Engine(StepThread):
         host: PluginHost,
         device: DeviceInfo,
         kv_dtype: str = "auto",
+        compile_decode: bool = False,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -88,6 +89,7 @@ class Engine(StepThread):
         spec = RuntimeSpec.for_tokens(
             config.kv_capacity or self.max_context, config.block_size, kv_dtype=kv_dtype,
             prefix_cache=config.prefix_cache, max_sequences=config.max_concurrency,
+            compile_decode=compile_decode,
         )  # fmt: skip
         self.runtime = build_runtime(loaded, host, device, spec)
         self.kv_codec = self.runtime.kv_codec

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from ninfer_core.engine.block_manager import BlockManager
+from ninfer_core.engine.compiled_step import CompiledDecode
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.kv.state import SequenceStatePool
 from ninfer_core.memory.heap import HeapTrimmer
@@ -27,12 +28,15 @@ class ModelRunner:
         kv_store,
         block_manager: BlockManager,
         states: SequenceStatePool | None = None,
+        compiled: CompiledDecode | None = None,
     ) -> None:
         self.model = model
         self.kv_store = kv_store
         self.block_manager = block_manager
         #: Per-sequence states of the state layers (each running sequence holds a slot).
         self.states = states
+        #: The compiled single-sequence decode step (`--compile-decode`), or None.
+        self.compiled = compiled
         self.device = next(model.parameters()).device
         #: On the CPU, what evicted oneDNN kernels and a prefill's temporaries free goes back
         #: to the kernel (memory/heap.py). Here, not in a kernel backend: the heap is the
@@ -74,6 +78,12 @@ class ModelRunner:
         if self.heap is not None and any(n > 1 for _, n in batch):
             self.heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         input_ids, positions, meta = self.prepare(batch)
+        if not all_tokens and self.compiled is not None and self.compiled.takes(batch):
+            logits = self.compiled.run(input_ids, positions, meta)
+            if logits is not None:  # else it failed (and said why): run the step eagerly
+                for seq, n in batch:
+                    seq.num_computed_tokens += n
+                return logits
         if self.states is None:
             hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
         else:

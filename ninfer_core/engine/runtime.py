@@ -12,6 +12,7 @@ copies this replaced drifted apart.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ import torch
 
 from ninfer_core import conformance
 from ninfer_core.engine.block_manager import BlockManager
+from ninfer_core.engine.compiled_step import CompiledDecode, capture_refusal
 from ninfer_core.engine.model_runner import ModelRunner
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
     from ninfer_core.loading import LoadedModel
     from ninfer_core.plugin_host import PluginHost
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class RuntimeSpec:
     #: Sequences that run at once (`--max-concurrency`): the slots of the per-sequence
     #: state pool, for a model whose family declares state layers.
     max_sequences: int = 1
+    #: `--compile-decode`: run one-sequence decode steps through `torch.compile`
+    #: (`engine/compiled_step.py`) where the model, kernels and store allow it.
+    compile_decode: bool = False
 
     @classmethod
     def for_tokens(cls, tokens: int, block_size: int = 16, **kw: Any) -> RuntimeSpec:
@@ -138,5 +146,12 @@ def assemble_runtime(
         spec.num_blocks, spec.block_size,
         enable_prefix_cache=spec.prefix_cache and states is None, salt=f"kv-codec={name}",
     )  # fmt: skip
-    runner = ModelRunner(model, store, blocks, states)
+    compiled = None
+    if spec.compile_decode:
+        refusal = capture_refusal(model, store)
+        if refusal is None:
+            compiled = CompiledDecode(model, store, spec.block_size)
+        else:
+            log.warning("--compile-decode: decoding eagerly: %s", refusal)
+    runner = ModelRunner(model, store, blocks, states, compiled)
     return Runtime(name, store, blocks, runner, caches, states)

@@ -50,6 +50,14 @@ class PlainKVStore:
         self._k_flat[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
         self._v_flat[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens of every layer. slots: [T] int64; k, v: [L, T, Hkv, D]: two
+        copies in all, where layer by layer takes two a layer."""
+        _, layers, hkv, nb, bs, d = self.pool.shape
+        flat = self.pool.view(2, layers, hkv, nb * bs, d)
+        flat[0].index_copy_(2, slots, k.transpose(1, 2).to(self.dtype))
+        flat[1].index_copy_(2, slots, v.transpose(1, 2).to(self.dtype))
+
     def gather_heads(
         self,
         layer: int,

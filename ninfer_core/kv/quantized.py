@@ -43,6 +43,8 @@ class QuantizedKVStore:
     #: as floats, then times the scales), and K's fp32 decode, which `gather` still holds
     #: while V decodes. Measured on the CPU: 15.5 bytes per value in all, with bf16 outputs.
     gather_scratch_bytes = 12
+    #: Layer by layer only (`write`): the compiled decode step needs a store that has it.
+    write_layers = None
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.decode_graph import dense_decode_graph
 from ninfer_core.model.layers import DecoderLayer, RMSNorm, empty_param
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
@@ -114,13 +115,20 @@ class DenseDecoder(nn.Module):
         # its output to it without rounding it to bf16 (30 roundings of the stream were
         # the largest part of bf16's error against fp32, and flipped SmolLM2's near-tied
         # greedy answers). The norms hand the GEMMs the compute dtype; no op is added.
-        if isinstance(self.embed_tokens, QuantizedTensor):
-            x = self.embed_tokens.embedding(input_ids, torch.float32)  # only these rows
-        else:
-            x = self.embed_tokens[input_ids].float()
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_store, meta)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> the residual stream's first values [T, hidden], fp32."""
+        if isinstance(self.embed_tokens, QuantizedTensor):
+            return self.embed_tokens.embedding(input_ids, torch.float32)  # only these rows
+        return self.embed_tokens[input_ids].float()
+
+    def decode_graph(self, input_ids, positions, kv_store, block_table, context):
+        """One decode token of one sequence, capturable whole (`model/decode_graph.py`)."""
+        return dense_decode_graph(self, input_ids, positions, kv_store, block_table, context)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] fp32 (the GEMM runs in the model dtype)

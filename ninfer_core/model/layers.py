@@ -76,6 +76,25 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, H, D], and k, v [T, Hkv, D], normed and rotated."""
+        t = x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """out: [T, H, D] -> [T, hidden]."""
+        return self.ops.linear(out.reshape(out.shape[0], self.q_size), self.o_proj, self.o_bias)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -84,19 +103,9 @@ class Attention(nn.Module):
         kv_store,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # x: [T, hidden] -> qkv: [T, (H + 2 Hkv) D]
-        t = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # q: [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.apply_rope(q, k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         out = self.ops.paged_attention(q, k, v, kv_store, self.layer, meta, self.scale)
-        # out: [T, H, D] -> [T, hidden]
-        return self.ops.linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        return self.output(out)
 
 
 class DecoderLayer(nn.Module):

@@ -25,6 +25,8 @@ class Int16KVStore:
     gather_heads = None
     rotation = None
     gather_scratch_bytes = None
+    #: Layer by layer only (`write`): the compiled decode step needs a store that has it.
+    write_layers = None
 
     def __init__(self, layout, device, compute_dtype: torch.dtype) -> None:
         self.layout = layout

@@ -33,6 +33,8 @@ class TokenMajorBF16Store:
     gather_heads = None  # attention transposes `gather`'s token-major result
     rotation = None  # K and V are stored as given
     gather_scratch_bytes = None  # `gather` only casts bfloat16 to the compute dtype
+    #: Layer by layer only (`write`): the compiled decode step needs a store that has it.
+    write_layers = None
 
     def __init__(self, layout: KVLayout, device: torch.device | str, compute_dtype: torch.dtype):
         self.layout = layout

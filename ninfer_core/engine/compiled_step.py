@@ -1,0 +1,132 @@
+"""`CompiledDecode`: the single-sequence decode step captured with `torch.compile`.
+
+An eager decode step of a 30-layer model is about 480 small ops, each a Python call and a
+dispatch; on the CPU they cost more than the GEMMs of a 4-bit model
+(docs/performance.md). Inductor fuses the norms, RoPE, residual adds and the attention's
+softmax into a few C++ kernels around the GEMM calls. The model offers the step as one
+traceable function (`CausalLM.decode_graph`: it reads the cache and returns the new K/V
+instead of writing them); this module compiles it once, feeds it the step's inputs and
+stores the K/V it returns (`KVStore.write_layers`).
+
+The eager forward stays the reference and the fallback: every step the compiled
+function does not take (prefill, batches of several sequences, logits for every token)
+runs eagerly, and so does every step after the compiled one has failed once (a compiler
+missing, a model the tracer cannot capture): the failure is logged once with its reason,
+and the step is rerun eagerly (the graph writes nothing, so nothing is half done).
+
+Compiling takes about 20-100 s on 2 cores (a C++ compiler builds the kernels), on the
+first step it takes; it is opt-in (`--compile-decode`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import torch
+
+from ninfer_core.model.ops import decode_length
+
+if TYPE_CHECKING:
+    from ninfer_core.model.attention_meta import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
+    """Why the decode step of `model` over `kv_store` can't be captured, or None."""
+    from ninfer_core.kernels.reference import TorchOps
+
+    if getattr(model, "decode_graph", None) is None:  # optional `CausalLM` member
+        return "the model family offers no decode graph"
+    if type(model.ops) is not TorchOps:
+        return (
+            f"kernel ops come from {model.ops.name!r}, not only the torch reference "
+            "(the compiled step traces the reference's ops)"
+        )
+    if model.ops.device.type != "cpu":
+        return "only the CPU decode step is compiled (GPUs get their own kernels)"
+    if kv_store.write_layers is None or kv_store.gather_heads is None:
+        return "the KV store has no write_layers / gather_heads"
+    if kv_store.rotation is not None:
+        return "the KV store keeps K and V rotated"
+    if any(_opaque(value) for m in model.modules() for value in vars(m).values()) or any(
+        _opaque(p) for p in model.parameters()
+    ):
+        return (
+            "dense bf16 weights are in oneDNN's packed layout, which the compiler cannot "
+            "read (quantized weights on the int4 kernel and fp32 weights can be compiled)"
+        )
+    return None
+
+
+def _opaque(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.layout == torch._mkldnn
+
+
+class CompiledDecode:
+    """Runs one-token steps of one sequence through the compiled `decode_graph`."""
+
+    #: The page table has at least this many entries: a dimension of size 1 would be
+    #: specialised by the tracer (one more graph for contexts of one page).
+    MIN_PAGES = 2
+
+    def __init__(self, model: torch.nn.Module, kv_store, block_size: int) -> None:
+        self.model, self.kv_store, self.block_size = model, kv_store, block_size
+        # dynamic=False: only the page count (marked per call) varies; the batch is 1.
+        self._fn = torch.compile(model.decode_graph, fullgraph=True, dynamic=False)
+        #: Why the compiled step stopped being used, once it failed; None while it works.
+        self.failed: str | None = None
+        #: Steps the compiled function ran.
+        self.steps = 0
+
+    def takes(self, batch: Seq[tuple[object, int]]) -> bool:
+        """Whether this step is one it runs: one sequence, one new token."""
+        return self.failed is None and len(batch) == 1 and batch[0][1] == 1
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """logits [1, vocab] fp32 for the prepared one-token step (its K/V stored), or
+        None when the compiled function failed: the caller runs the step eagerly."""
+        context = meta.context_lens[0]
+        bs = self.block_size
+        pages = max(self.MIN_PAGES, -(-decode_length(context, bs) // bs))
+        row = meta.block_tables[0].long()
+        table = (
+            row[:pages]
+            if pages <= row.numel()
+            else torch.cat((row, row.new_zeros(pages - row.numel())))
+        )
+        torch._dynamo.maybe_mark_dynamic(table, 0)
+        try:
+            with warnings.catch_warnings():
+                # The compiler's own notes (a fused kernel reading bf16 and fp16, the
+                # deprecations of modules it imports) are not the user's to act on.
+                warnings.simplefilter("ignore")
+                logits, k, v = self._fn(
+                    input_ids, positions, self.kv_store, table, torch.tensor(context)
+                )
+        except Exception as exc:  # the compiler or its output, not the request
+            self.failed = _reason(exc)
+            log.warning("compiled decode step failed, decoding eagerly from now on: %s",
+                        self.failed)  # fmt: skip
+            return None
+        self.kv_store.write_layers(meta.slot_mapping, k, v)
+        self.steps += 1
+        return logits
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for a failure: the innermost cause (the compiler wraps what went wrong
+    in `BackendCompilerFailed`, as `inner_exception`), its type and the first line of
+    its message."""
+    while True:
+        inner = exc.__cause__ or getattr(exc, "inner_exception", None)
+        if inner is None or inner is exc:
+            break
+        exc = inner
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -1,0 +1,170 @@
+"""The compiled decode step (`--compile-decode`) against the eager forward, its reference.
+
+A tiny Qwen3-shaped checkpoint (q/k norms, grouped KV heads, a tied head), prompts that
+cross page boundaries while decoding (the page table's length is the graph's one
+dynamic size): fp32 gives the eager path's greedy ids and logits to float rounding; bf16
+logits stay within bf16's own distance of the eager ones (the fused kernels round once
+where eager ops round after each op). A step the graph does not take (prefill, two
+sequences) runs eagerly; a graph that fails to compile leaves the engine decoding eagerly
+with the same text.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import write_tiny_qwen3
+from text_fixtures import write_model_dir
+
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.convert import convert
+from ninfer_core.device import probe_device
+from ninfer_core.engine.compiled_step import CompiledDecode, capture_refusal
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.sequence import Sequence
+from ninfer_core.generation import one_request_engine
+from ninfer_core.loading import load_model
+from ninfer_core.plugin_host import create_host
+from ninfer_core.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+PROMPT = [(7 * i + 3) % 250 for i in range(21)]  # 21 tokens: decoding crosses pages 2 and 3
+NEW = 30
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = write_tiny_qwen3(
+        tmp_path_factory.mktemp("compiled") / "hf", num_hidden_layers=2, hidden_size=64,
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512,
+    )  # fmt: skip
+    write_model_dir(path)  # a tokenizer (400 ids) beside the weights
+    return path
+
+
+def engine_for(folder, dtype: str, compile_decode: bool):
+    host, device = create_host(), probe_device(use_cuda=False)
+    runtime = RuntimeConfig(dtype=dtype, max_context=256, compile_decode=compile_decode)
+    loaded = load_model(folder, host=host, device=device, runtime=runtime)
+    return one_request_engine(loaded, host=host, device=device, runtime=runtime)
+
+
+def decode(engine, n: int = NEW) -> tuple[list[int], torch.Tensor]:
+    """Greedy ids and the logits of every decode step, through the engine's runner."""
+    runner = engine.runner
+    seq = Sequence(list(PROMPT))
+    logits = runner.run([(seq, len(PROMPT))])
+    rows = []
+    for _ in range(n):
+        seq.append_token(int(logits[0].argmax()))
+        logits = runner.run([(seq, 1)])
+        rows.append(logits[0])
+    runner.block_manager.free(seq)
+    return seq.completion_ids, torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def q4(folder):
+    """The checkpoint's matrices as Q4G64: bf16 runs them on the int4 kernel (a dense bf16
+    matrix is in oneDNN's packed layout, which the compiler refuses)."""
+    out = folder.parent / "q4.ninfer"
+    convert(folder, out, recipe_name="q4")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(folder, q4):
+    out = {}
+    for dtype, path in (("fp32", folder), ("bf16", q4)):
+        eager = decode(engine_for(path, dtype, False))
+        engine = engine_for(path, dtype, True)
+        compiled = engine.runner.compiled
+        assert compiled is not None, capture_refusal(engine.runner.model, engine.runner.kv_store)
+        got = decode(engine)
+        assert compiled.failed is None, compiled.failed
+        assert compiled.steps == NEW  # every decode step, through one graph
+        out[dtype] = eager, got, engine
+    return out
+
+
+def test_fp32_compiled_decode_is_the_eager_decode(runs):
+    (ids, logits), (got_ids, got_logits), _ = runs["fp32"]
+    assert got_ids == ids
+    assert (got_logits - logits).abs().max().item() <= 1e-4
+
+
+def test_bf16_compiled_logits_stay_within_bf16_of_eager(runs):
+    (ids, logits), (got_ids, got_logits), _ = runs["bf16"]
+    rel = ((got_logits - logits).norm() / logits.norm()).item()
+    assert rel < 2e-2, rel  # bf16 carries 8 bits: a few roundings apart
+    # greedy: the same ids until a near-tie (random weights) may part them
+    same = next((i for i, (a, b) in enumerate(zip(ids, got_ids, strict=True)) if a != b), NEW)
+    assert same >= 8, (ids, got_ids)
+
+
+def test_steps_it_does_not_take_run_eagerly(runs):
+    engine = runs["fp32"][2]
+    compiled = engine.runner.compiled
+    before = compiled.steps
+    a, b = Sequence(PROMPT[:5]), Sequence(PROMPT[5:17])
+    assert not compiled.takes([(a, 5)]) and not compiled.takes([(a, 1), (b, 1)])
+    engine.runner.run([(a, 5)])
+    engine.runner.run([(b, 12)])
+    a.append_token(1)
+    b.append_token(2)
+    logits = engine.runner.run([(a, 1), (b, 1)])  # two sequences: the eager forward
+    assert logits.shape[0] == 2 and compiled.steps == before
+    engine.runner.block_manager.free(a)
+    engine.runner.block_manager.free(b)
+
+
+def test_a_graph_that_fails_leaves_eager_decoding(folder, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    monkeypatch.setattr(CompiledDecode, "__init__", _init_with(broken))
+    engine = engine_for(folder, "fp32", True)
+    want = [t for t in engine.generate([request()])[0].token_ids]
+    assert engine.runner.compiled.failed == "RuntimeError: no C++ compiler"
+    assert "decoding eagerly from now on: RuntimeError: no C++ compiler" in caplog.text
+    eager = engine_for(folder, "fp32", False)
+    assert eager.generate([request()])[0].token_ids == want
+
+
+def _init_with(fn):
+    original = CompiledDecode.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._fn = fn
+
+    return init
+
+
+def request() -> GenerationRequest:
+    return GenerationRequest(
+        list(PROMPT), SamplingParams(temperature=0.0), max_tokens=12, ignore_eos=True
+    )
+
+
+def test_refusals_name_the_reason(folder):
+    engine = engine_for(folder, "fp32", False)
+    model, store = engine.runner.model, engine.runner.kv_store
+    assert capture_refusal(model, store) is None
+
+    class Rotated:
+        write_layers = gather_heads = object()
+        rotation = object()
+
+    assert capture_refusal(model, Rotated()) == "the KV store keeps K and V rotated"
+
+    class LayerByLayer:
+        write_layers, gather_heads, rotation = None, object(), None
+
+    assert "write_layers" in capture_refusal(model, LayerByLayer())
+    dense_bf16 = engine_for(folder, "bf16", True)  # refused at build: decodes eagerly
+    assert dense_bf16.runner.compiled is None
+    refusal = capture_refusal(dense_bf16.runner.model, dense_bf16.runner.kv_store)
+    assert "oneDNN's packed layout" in refusal
