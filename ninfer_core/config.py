@@ -36,8 +36,8 @@ class RuntimeConfig:
     threads: int = opt(0, "CPU threads for torch; 0: one per available core")
     compile_decode: bool = opt(
         False,
-        "compile the one-sequence decode step with torch.compile (CPU, torch kernels; "
-        "the first decode step takes ~1 min to compile)",
+        "compile the decode step with torch.compile (CPU, torch kernels; "
+        "the first decode step of each batch size takes ~1 min to compile)",
     )
     device_spec: str | None = opt(None, "probe as if on this device (rtx3090, h100, cpu, ...)")
 

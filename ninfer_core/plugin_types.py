@@ -135,12 +135,12 @@ class DecodeGraph(Protocol):
         block_table: torch.Tensor,
         context: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One decode token of one sequence as a single traceable function (no host
-        reads, no Python branching on tensor values) for `torch.compile`:
-        input_ids, positions: [1]; block_table: [P] int64 pages covering the context,
-        padded with page 0; context: 0-dim int64, the context length with this token.
-        Reads the cached K/V but writes nothing: returns (logits [1, vocab] fp32, the
-        token's k and v [num_layers, 1, Hkv, D]) for the caller to store
+        """One decode token of each of B sequences as a single traceable function (no
+        host reads, no Python branching on tensor values) for `torch.compile`:
+        input_ids, positions: [B]; block_table: [B, P] int64 pages covering each
+        context, padded with page 0; context: [B] int64, each context length with this
+        token. Reads the cached K/V but writes nothing: returns (logits [B, vocab] fp32,
+        the tokens' k and v [num_layers, B, Hkv, D]) for the caller to store
         (`KVStore.write_layers`)."""
         ...
 
@@ -258,8 +258,9 @@ class CausalLM(Protocol):
         """Hand every weight to the kernel backend's `pack_linear`, once, after loading."""
         ...
 
-    #: None: every step runs `forward`. Otherwise the single-sequence decode step as one
-    #: function `torch.compile` can capture whole (`ninfer_core/engine/compiled_step.py`).
+    #: None: every step runs `forward`. Otherwise the decode step (one token for each
+    #: sequence) as one function `torch.compile` can capture whole
+    #: (`ninfer_core/engine/compiled_step.py`).
     decode_graph: DecodeGraph | None = None
 
     def weight_bytes(self) -> int:

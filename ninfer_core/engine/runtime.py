@@ -51,7 +51,7 @@ class RuntimeSpec:
     #: Sequences that run at once (`--max-concurrency`): the slots of the per-sequence
     #: state pool, for a model whose family declares state layers.
     max_sequences: int = 1
-    #: `--compile-decode`: run one-sequence decode steps through `torch.compile`
+    #: `--compile-decode`: run decode steps (up to `max_sequences`) through `torch.compile`
     #: (`engine/compiled_step.py`) where the model, kernels and store allow it.
     compile_decode: bool = False
 
@@ -150,7 +150,7 @@ def assemble_runtime(
     if spec.compile_decode:
         refusal = capture_refusal(model, store)
         if refusal is None:
-            compiled = CompiledDecode(model, store, spec.block_size)
+            compiled = CompiledDecode(model, store, spec.block_size, spec.max_sequences)
         else:
             log.warning("--compile-decode: decoding eagerly: %s", refusal)
     runner = ModelRunner(model, store, blocks, states, compiled)

@@ -1,4 +1,5 @@
-"""The dense decoder's single-sequence decode step as one traceable function.
+"""The dense decoder's decode step (one new token for each of B sequences) as one
+traceable function.
 
 `torch.compile` captures it whole (`ninfer_core/engine/compiled_step.py`): about 480
 small ops of an eager step become a few dozen fused kernels and GEMM calls. What makes it
@@ -9,9 +10,9 @@ capturable:
   of every layer come back to the caller, which stores them in one call
   (`KVStore.write_layers`) after the graph. Writing into the pool inside the graph made
   the compiler copy the whole pool every step.
-- Sizes that change every step are tensors or a dynamic dimension: the context length
-  is a 0-dim tensor, the page table's length a dynamic size. One graph serves every
-  context.
+- Sizes that change every step are tensors or a dynamic dimension: the context lengths
+  are a tensor, the page table's length a dynamic size. One graph serves every context
+  (one per batch size).
 - No host reads and no branches on values; the kernel ops (`linear`, `rms_norm`,
   `apply_rope`, `silu_and_mul`) are the same the eager forward calls.
 
@@ -38,31 +39,31 @@ def attend_with_new(
     scale: float,
     context: torch.Tensor,
 ) -> torch.Tensor:
-    """One query row over `context - 1` cached keys and its own key.
+    """Each sequence's query row over its `context - 1` cached keys and its own key.
 
-    q: [H, D]; k_old, v_old: [Hkv, L, D] (keys at `context - 1` and past are masked:
-    padding, and the slot this token will be written to); k_new, v_new: [Hkv, D]
-    -> [H, D] in q's dtype, computed in fp32.
+    q: [B, H, D]; k_old, v_old: [B, Hkv, L, D] (keys at `context - 1` and past are
+    masked: padding, and the slot this token will be written to); k_new, v_new:
+    [B, Hkv, D]; context: [B] -> [B, H, D] in q's dtype, computed in fp32.
     """
-    hkv, length, d = k_old.shape
-    qg = q.view(hkv, -1, d).float()  # [Hkv, G, D]
-    kn, vn = k_new.float(), v_new.float()
-    old = torch.matmul(qg, k_old.float().transpose(1, 2)) * scale  # [Hkv, G, L]
-    stale = torch.arange(length, device=q.device) >= context - 1
-    old = old.masked_fill(stale, float("-inf"))
-    own = (qg * kn[:, None, :]).sum(-1, keepdim=True) * scale  # [Hkv, G, 1]
+    b, hkv, length, d = k_old.shape
+    qg = q.reshape(b, hkv, -1, d).float()  # [B, Hkv, G, D]
+    kn, vn = k_new.float()[:, :, None, :], v_new.float()[:, :, None, :]  # [B, Hkv, 1, D]
+    old = torch.matmul(qg, k_old.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+    stale = torch.arange(length, device=q.device) >= (context - 1)[:, None]  # [B, L]
+    old = old.masked_fill(stale[:, None, None, :], float("-inf"))
+    own = (qg * kn).sum(-1, keepdim=True) * scale  # [B, Hkv, G, 1]
     probs = torch.cat((old, own), dim=-1).softmax(dim=-1)
-    out = torch.matmul(probs[..., :length], v_old.float()) + probs[..., length:] * vn[:, None]
+    out = torch.matmul(probs[..., :length], v_old.float()) + probs[..., length:] * vn
     return out.reshape(q.shape).to(q.dtype)
 
 
 def _layer_attention(
     attn: Attention, x: torch.Tensor, cos, sin, kv_store, table: torch.Tensor, context
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = attn.project(x, cos, sin)  # [1, H, D], [1, Hkv, D]
-    k_old, v_old = kv_store.gather_heads(attn.layer, table)  # [Hkv, P * BS, D]
-    out = attend_with_new(q[0], k_old, v_old, k[0], v[0], attn.scale, context)
-    return attn.output(out[None]), k, v
+    q, k, v = attn.project(x, cos, sin)  # [B, H, D], [B, Hkv, D]
+    k_old, v_old = kv_store.gather_heads(attn.layer, table)  # [B, Hkv, P * BS, D]
+    out = attend_with_new(q, k_old, v_old, k, v, attn.scale, context)
+    return attn.output(out), k, v
 
 
 def dense_decode_graph(

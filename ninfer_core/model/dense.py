@@ -127,7 +127,7 @@ class DenseDecoder(nn.Module):
         return self.embed_tokens[input_ids].float()
 
     def decode_graph(self, input_ids, positions, kv_store, block_table, context):
-        """One decode token of one sequence, capturable whole (`model/decode_graph.py`)."""
+        """One decode token per sequence, capturable whole (`model/decode_graph.py`)."""
         return dense_decode_graph(self, input_ids, positions, kv_store, block_table, context)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
