@@ -74,17 +74,27 @@ class CompiledDecode:
     #: The page table has at least this many columns: a dimension of size 1 would be
     #: specialised by the tracer (one more graph for contexts of one page).
     MIN_PAGES = 2
-    #: Batch sizes compiled at most (the tracer's own limit on graphs per function).
+    #: Batch sizes compiled at most.
     MAX_BATCH = 8
+    #: Graphs the tracer may keep for `decode_graph`. Its limit counts graphs per code
+    #: object, so every model of a process (each its own guards) and every batch size
+    #: add up; its default, 8, is raised to this.
+    RECOMPILE_LIMIT = 64
 
     def __init__(
         self, model: torch.nn.Module, kv_store, block_size: int, max_batch: int = 1
     ) -> None:
         self.model, self.kv_store, self.block_size = model, kv_store, block_size
         self.max_batch = max(1, min(max_batch, self.MAX_BATCH))
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, self.RECOMPILE_LIMIT)
         # dynamic=False: the batch size is static in each graph; the page count is the
-        # one dynamic size (marked per call).
-        self._fn = torch.compile(model.decode_graph, fullgraph=True, dynamic=False)
+        # one dynamic size (marked per call). The C++ wrapper calls the kernels from C++
+        # instead of a Python function: 9% faster decode (SmolLM2, 2 threads: 97 and 94
+        # against 88 and 87 tok/s) for about twice the compile time.
+        self._fn = torch.compile(
+            model.decode_graph, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}
+        )
         #: Why the compiled step stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Steps the compiled function ran.
