@@ -10,10 +10,10 @@ stores the K/V it returns (`KVStore.write_layers`).
 
 The eager forward stays the reference and the fallback: every step the compiled
 function does not take (prefill or a step mixing it, more than `max_batch` sequences,
-logits for every token)
-runs eagerly, and so does every step after the compiled one has failed once (a compiler
-missing, a model the tracer cannot capture): the failure is logged once with its reason,
-and the step is rerun eagerly (the graph writes nothing, so nothing is half done).
+logits for every token) runs eagerly, and so does every step after the compiled one has
+failed once (a compiler missing, a model the tracer cannot capture): the failure is
+logged once with its reason, and the step is rerun eagerly (the graph writes nothing,
+so nothing is half done).
 
 Compiling takes about 20-100 s on 2 cores (a C++ compiler builds the kernels), on the
 first step it takes; it is opt-in (`--compile-decode`).
@@ -40,7 +40,7 @@ def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
     """Why the decode step of `model` over `kv_store` can't be captured, or None."""
     from ninfer_core.kernels.reference import TorchOps
 
-    if getattr(model, "decode_graph", None) is None:  # optional `CausalLM` member
+    if model.decode_graph is None:  # an optional `CausalLM` member, declared by every model
         return "the model family offers no decode graph"
     if type(model.ops) is not TorchOps:
         return (
