@@ -105,6 +105,24 @@ def test_bf16_compiled_logits_stay_within_bf16_of_eager(runs):
     assert same >= 8, (ids, got_ids)
 
 
+def test_prompts_of_other_lengths_reuse_the_graph(runs):
+    """Nothing of an eager step (a prefill of another length) reaches the graph's guards:
+    later prompts decode through the graph already compiled."""
+    engine = runs["fp32"][2]
+    compiled, runner = engine.runner.compiled, engine.runner
+    before = compiled.steps
+    with torch.compiler.set_stance("fail_on_recompile"):  # a recompile raises: failed
+        for n in (3, 40):
+            seq = Sequence([(5 * i + 1) % 250 for i in range(n)])
+            logits = runner.run([(seq, n)])
+            for _ in range(3):
+                seq.append_token(int(logits[0].argmax()))
+                logits = runner.run([(seq, 1)])
+            runner.block_manager.free(seq)
+    assert compiled.failed is None, compiled.failed
+    assert compiled.steps == before + 6
+
+
 def test_steps_it_does_not_take_run_eagerly(runs):
     engine = runs["fp32"][2]
     compiled = engine.runner.compiled

@@ -126,11 +126,13 @@ class TorchOps(KernelOps):
         return out[:, : q.shape[1]], out[:, q.shape[1] :]
 
     def _rope_full(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():
+            # A traced step derives them in its own fused kernels; reading the memo
+            # would make the graph depend on (and guard on) the last eager step's.
+            return _rope_tables(cos, sin)
         tables = self._rope_tables
         if not tables or tables[0] is not cos or tables[1] is not sin:
-            full = torch.cat((cos, cos), dim=-1)[:, None, :]
-            signed = torch.cat((-sin, sin), dim=-1)[:, None, :]
-            self._rope_tables = tables = (cos, sin, full, signed)
+            self._rope_tables = tables = (cos, sin, *_rope_tables(cos, sin))
         return tables[2], tables[3]
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -186,6 +188,14 @@ class TorchOps(KernelOps):
                 )[0].transpose(0, 1)  # [Q, H, D]
             outs.append(out if rotation is None else rotation.inverse(out).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D/2] -> cos repeated to the full width and sin signed (-sin | sin),
+    [T, 1, D] each, so rotating is `x * cos_full + rotate_half(x) * sin_signed`."""
+    full = torch.cat((cos, cos), dim=-1)[:, None, :]
+    signed = torch.cat((-sin, sin), dim=-1)[:, None, :]
+    return full, signed
 
 
 def _page_table(row: torch.Tensor, pages: int) -> torch.Tensor:
