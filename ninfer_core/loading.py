@@ -6,7 +6,9 @@ line naming the file and the problem, raised before any request is served.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from ninfer_core.kernels.compose import OpChoice, backend_summary, compose_ops, 
 from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.model.config import ModelConfig
-from ninfer_core.plugin_host import PluginHost
+from ninfer_core.plugin_host import PluginHost, create_host
 from ninfer_core.plugin_types import Artifact, CausalLM, KernelOps, ModelFamily
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,6 +57,19 @@ def compute_dtype(name: str, device: DeviceInfo) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise UnknownNameError("dtype", name, [*DTYPES, "auto"]) from None
+
+
+@contextlib.contextmanager
+def opened_artifact(path: str | Path, host: PluginHost | None = None) -> Iterator[Artifact]:
+    """`open_artifact` for a `with` block: closed at its end where the reader can close
+    (`close` is not part of the `Artifact` contract: a folder reader holds nothing open)."""
+    artifact = open_artifact(host or create_host(), path)
+    try:
+        yield artifact
+    finally:
+        close = getattr(artifact, "close", None)
+        if close is not None:
+            close()
 
 
 def open_artifact(host: PluginHost, path: str | Path) -> Artifact:

@@ -189,16 +189,10 @@ def prompt_ids(path: Path, n: int) -> list[int]:
     if (path / "tokenizer.json").is_file():
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     else:
-        from ninfer_core.loading import open_artifact
-        from ninfer_core.plugin_host import create_host
+        from ninfer_core.loading import opened_artifact
 
-        artifact = open_artifact(create_host(), path)
-        try:
+        with opened_artifact(path) as artifact:
             text = artifact.read_text("tokenizer.json")
-        finally:
-            close = getattr(artifact, "close", None)
-            if close is not None:
-                close()
         if text is None:
             raise NInferError(f"{path}: the model has no tokenizer to make the prompt with")
         tok = Tokenizer.from_str(text)

@@ -197,16 +197,10 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
 
 def model_config(path: Path) -> dict[str, Any]:
     """The model's `config.json`, from whatever artifact `path` is (folder, .ninfer, GGUF)."""
-    from ninfer_core.loading import open_artifact
-    from ninfer_core.plugin_host import create_host
+    from ninfer_core.loading import opened_artifact
 
-    artifact = open_artifact(create_host(), path)
-    try:
+    with opened_artifact(path) as artifact:
         return dict(artifact.config)
-    finally:
-        close = getattr(artifact, "close", None)
-        if close is not None:
-            close()
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

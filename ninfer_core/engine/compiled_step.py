@@ -84,7 +84,7 @@ class CompiledDecode:
     def __init__(
         self, model: torch.nn.Module, kv_store, block_size: int, max_batch: int = 1
     ) -> None:
-        self.model, self.kv_store, self.block_size = model, kv_store, block_size
+        self.kv_store, self.block_size = kv_store, block_size
         self.max_batch = max(1, min(max_batch, self.MAX_BATCH))
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, self.RECOMPILE_LIMIT)

@@ -35,7 +35,7 @@ class ModelRunner:
         self.block_manager = block_manager
         #: Per-sequence states of the state layers (each running sequence holds a slot).
         self.states = states
-        #: The compiled single-sequence decode step (`--compile-decode`), or None.
+        #: The compiled decode step (`--compile-decode`), or None.
         self.compiled = compiled
         self.device = next(model.parameters()).device
         #: On the CPU, what evicted oneDNN kernels and a prefill's temporaries free goes back

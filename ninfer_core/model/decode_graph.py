@@ -84,7 +84,6 @@ def dense_decode_graph(
         )
         keys.append(k)
         values.append(v)
-        h = x + out
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
+        x = layer.mlp_block(x + out)
     logits = model.compute_logits(model.norm(x))
     return logits, torch.stack(keys), torch.stack(values)

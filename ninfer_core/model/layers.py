@@ -120,5 +120,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, ops, dtype)
 
     def forward(self, x, cos, sin, kv_store, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_store, meta)
+        return self.mlp_block(x + self.self_attn(self.input_layernorm(x), cos, sin, kv_store, meta))
+
+    def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: h + mlp(norm(h)), h the residual with attention added."""
         return h + self.mlp(self.post_attention_layernorm(h))
