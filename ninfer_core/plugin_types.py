@@ -3,7 +3,7 @@
 `register_*` hooks (see `hookspecs.py`) return objects of the registered kinds
 (`ArtifactReader`, `ModelFamily`, `KVCodec`, `KernelBackend`, `DraftStrategy`,
 `Frontend`); those build the runtime objects (`Artifact`, `CausalLM`, `KVStore`,
-`KernelOps`). Each is a Protocol listing every member the core uses, so nothing is
+`KernelOps`, `Drafter`). Each is a Protocol listing every member the core uses, so nothing is
 found by `hasattr`: `ninfer_core.conformance` checks an object against its protocol
 (every member present, every method callable the way the core calls it) and the
 host refuses a registered object that does not conform, naming plugin, object and
@@ -24,6 +24,7 @@ pluggy does for hook arguments: a plugin written before it keeps working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from ninfer_core.model.config import ModelConfig
     from ninfer_core.model.weights import WeightSlot
     from ninfer_core.serve.errors import ApiError
+    from ninfer_core.spec.types import DraftInput, DraftOptions, DraftTarget, Proposal
     from ninfer_core.support import Support
 
 
@@ -421,8 +423,47 @@ class KernelBackend(Plugin, Protocol):
 
 
 @runtime_checkable
+class Drafter(Protocol):
+    """One runtime's draft proposer, made by `DraftStrategy.create` (see `spec/types.py`).
+
+    The engine calls `propose` once per step, after verification, with every sequence the
+    step's forward ran (prefill chunks too: a drafter with state of its own, like the MTP
+    layer's K/V, learns from them), and verifies what comes back in the next step's forward.
+    Whatever a drafter proposes, the output is the target's: drafts only decide how many
+    tokens a forward yields. A drafter that raises proposes nothing that step (the engine
+    logs it once and decodes those sequences one token at a time).
+    """
+
+    #: Whether `DraftInput.hidden` must carry the target's final hidden states (MTP), so
+    #: the runner keeps them; False: None is passed (n-gram).
+    uses_hidden: bool
+
+    def propose(self, inputs: Sequence[DraftInput]) -> list[Proposal]:
+        """One `Proposal` per input, in order; each at most `max_drafts` long."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The sequence ended (however it ended): forget what is kept for it."""
+        ...
+
+
+@runtime_checkable
 class DraftStrategy(Plugin, Protocol):
-    """Proposes draft tokens for speculative decoding (MTP, n-gram, ...)."""
+    """Proposes draft tokens for speculative decoding (`--spec NAME`: MTP, n-gram, ...).
+
+    `supports(device)` answers for the hardware; `supports_model` for the model, at
+    startup, before any request: a strategy that needs weights the artifact lacks (MTP
+    layers, a reduced draft head) refuses there with the reason, and the host names the
+    strategies that would run.
+    """
+
+    def supports_model(self, target: DraftTarget, options: DraftOptions) -> Support:
+        """Whether it can draft for `target` with `options` (a refusal names what is missing)."""
+        ...
+
+    def create(self, target: DraftTarget, options: DraftOptions) -> Drafter:
+        """The drafter for one runtime (called after `supports_model` said yes)."""
+        ...
 
 
 @runtime_checkable

@@ -1,0 +1,104 @@
+"""The data a draft strategy exchanges with the engine (the contract's value types).
+
+A step's forward computes some positions of each running sequence: a prefill chunk, or a
+decoding sequence's pending token plus the drafts it was verifying. After verification the
+engine calls `Drafter.propose` once with a `DraftInput` per sequence that ran: the
+positions whose K/V are now kept (rejected drafts already rolled back), the target's final
+hidden states of exactly those positions (for a drafter that reads them), and how many
+drafts it may propose to follow the sequence's last, not yet computed, token. The drafter
+answers with a `Proposal` per input; the next step verifies it.
+
+Positions are the sequence's own token indices. Token `j`'s K/V live in page
+`block_table[j // block_size]` at offset `j % block_size`; a drafter that keeps per-token
+state of its own (the MTP layer's K/V) keeps it in a pool of the same page geometry,
+indexed by the same block table, so it needs no allocator: the engine has already grown
+`block_table` to cover every position the drafts can reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ninfer_core.model.config import ModelConfig
+    from ninfer_core.plugin_types import Artifact, CausalLM, KVCodec
+
+
+@dataclass(frozen=True, slots=True)
+class DraftInput:
+    """One sequence after a step's verification."""
+
+    seq_id: int
+    #: Every accepted token, prompt first. When `max_drafts > 0` the last one is the token
+    #: the drafts follow: sampled, not yet run through the target (its K/V are not written).
+    token_ids: Sequence[int]
+    #: Positions `start:end` were computed by this step's forward and kept; `end` is the
+    #: sequence's computed-token count now. A prefill chunk, or a decode's pending token
+    #: plus its accepted drafts.
+    start: int
+    end: int
+    #: Pages of the sequence, covering positions `0 : end + max_drafts` at least.
+    block_table: Sequence[int]
+    #: Drafts to propose at most (0: still prefilling, or no room before `max_tokens`);
+    #: a drafter may propose fewer, or none.
+    max_drafts: int
+    #: The target's final hidden states (after the final norm) of positions `start:end`,
+    #: [end - start, hidden], when the drafter's `uses_hidden`; None otherwise.
+    hidden: torch.Tensor | None = None
+    #: Of the drafts proposed for it last step, how many the target accepted (None: it
+    #: verified no drafts this step).
+    accepted: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """Up to `max_drafts` tokens to follow a sequence's last token, in order."""
+
+    token_ids: Sequence[int] = ()
+    #: [len(token_ids), vocab] fp32: the distribution q each draft was drawn from, for
+    #: rejection sampling. None: every draft is one-hot (q = 1 at the draft token), as for
+    #: argmax and n-gram drafts.
+    probs: torch.Tensor | None = None
+
+
+#: Nothing to propose (a sequence still prefilling, or no match).
+NO_PROPOSAL = Proposal()
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """What the user asked of speculation (`SpecConfig`, checked)."""
+
+    #: Drafts per round at most (`--draft-tokens`).
+    num_tokens: int = 3
+    #: `--lm-head-draft`: while drafting only, a reduced head of the most frequent tokens.
+    lm_head_draft: bool = False
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a strategy sees of the model it drafts for."""
+
+    #: The opened artifact: a strategy reads its own weights from it (`mtp.*`, `draft_head.*`).
+    artifact: Artifact
+    config: ModelConfig
+    #: The loaded target (`embed`, `compute_logits`, `ops`, `dtype`), to share embedding
+    #: and head with, and to compute with the same kernels.
+    model: CausalLM
+    #: The codec of the target's KV pool: a drafter with K/V of its own allocates them with
+    #: it, in the same page geometry (`block_size` × `num_blocks`).
+    kv_codec: KVCodec
+    block_size: int
+    num_blocks: int
+    device: torch.device
+    #: Free-form facts a strategy may report (e.g. the artifact path for messages).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.artifact.path
