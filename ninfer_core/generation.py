@@ -32,6 +32,8 @@ from ninfer_core.errors import NInferError
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.sampling import SamplingParams
+from ninfer_core.spec.config import SpecConfig
+from ninfer_core.spec.stats import SpecUsage
 from ninfer_core.text import ChatTemplate, GenerationDefaults, Tokenizer
 
 
@@ -47,6 +49,8 @@ class GenerationStats:
     finish_reason: str = ""
     #: The sampled ids, in order (the benches compare them across engines).
     token_ids: list[int] = field(default_factory=list, repr=False)
+    #: Its speculative rounds, when the engine speculates.
+    spec: SpecUsage | None = None
 
     @property
     def prefill_tok_s(self) -> float:
@@ -66,6 +70,7 @@ def one_request_engine(
     device: DeviceInfo,
     runtime: RuntimeConfig,
     seed: int | None = None,
+    spec: SpecConfig | None = None,
 ) -> Engine:
     """An engine for one request at a time, its KV pool one context long (as the server's
     default pool) and otherwise configured as the server's defaults, so the same request
@@ -74,7 +79,7 @@ def one_request_engine(
     config = EngineConfig(max_concurrency=1, max_context=context,
                           block_size=runtime.block_size, prefix_cache=False)  # fmt: skip
     return Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype,
-                  compile_decode=runtime.compile_decode, seed=seed)  # fmt: skip
+                  compile_decode=runtime.compile_decode, spec=spec, seed=seed)  # fmt: skip
 
 
 def room_for(engine: Engine, prompt_len: int, wanted: int) -> int:
@@ -129,6 +134,7 @@ def stream(
     if finish and finish[0].error is not None:
         raise finish[0].error
     stats.finish_reason = finish[0].reason if finish else ""
+    stats.spec = finish[0].usage.spec if finish else None
 
 
 @dataclass(frozen=True)

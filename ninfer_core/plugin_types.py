@@ -24,7 +24,8 @@ pluggy does for hook arguments: a plugin written before it keeps working.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -78,6 +79,13 @@ class LoadWeight(Protocol):
 class TensorFormat(Protocol):
     def __call__(self, name: str) -> str:
         """The weight format tensor `name` is stored in (`q4g64`, `bf16`, ...)."""
+        ...
+
+
+class WithComponents(Protocol):
+    def __call__(self, names: Iterable[str]) -> AbstractContextManager[Artifact]:
+        """For a `with` block: the artifact with its optional components `names` listed and
+        loadable too (weights loaded inside stay valid after the block)."""
         ...
 
 
@@ -212,6 +220,10 @@ class Artifact(Protocol):
     tensor_format: TensorFormat | None = None
     #: None: sizes are computed from shapes and formats.
     object_table: ObjectTable | None = None
+    #: None: every tensor the artifact holds is listed already (a folder, a GGUF file).
+    #: Otherwise optional components (MTP layers, a draft head) stay unlisted until a
+    #: user of them asks (`with artifact.with_components({"mtp"}) as full: ...`).
+    with_components: WithComponents | None = None
 
 
 @runtime_checkable

@@ -81,6 +81,7 @@ class HFFolderArtifact:
     load_weight = None
     tensor_format = None
     object_table = None
+    with_components = None  # a folder lists every tensor
 
     def __init__(self, path: Path) -> None:
         self.path = path

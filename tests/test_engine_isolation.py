@@ -18,6 +18,7 @@ from engine_helpers import prompt, tiny_engine
 
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.faults import unusable_rows
+from ninfer_core.engine.model_runner import StepForward
 from ninfer_core.engine.request import GenerationRequest, RequestResult
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.sampling import SamplingParams
@@ -91,7 +92,7 @@ def assert_failed(sink: RequestResult, *words: str) -> None:
 def test_a_forward_that_fails_on_one_sequence_ends_only_that_request(make_engine, alone):
     engine = make_engine(max_concurrency=3)
     sinks, bad = start(engine)
-    real = engine.runner.run
+    real = engine.runner.step
     calls = []
 
     def run(batch):
@@ -100,7 +101,7 @@ def test_a_forward_that_fails_on_one_sequence_ends_only_that_request(make_engine
             raise IndexError("index out of range in self")
         return real(batch)
 
-    engine.runner.run = run
+    engine.runner.step = run
     finish(engine)
     assert_failed(sinks[POISONED], "IndexError", "index out of range")
     assert 0 < len(sinks[POISONED].token_ids) < MAX_TOKENS
@@ -123,7 +124,7 @@ def test_a_corrupt_token_id_in_the_real_forward_ends_only_its_request(make_engin
 def test_a_transient_batch_failure_is_retried_and_nobody_fails(make_engine, alone):
     engine = make_engine(max_concurrency=3)
     sinks, _ = start(engine)
-    real = engine.runner.run
+    real = engine.runner.step
     failures = []
 
     def run(batch):
@@ -132,7 +133,7 @@ def test_a_transient_batch_failure_is_retried_and_nobody_fails(make_engine, alon
             raise RuntimeError("out of memory")
         return real(batch)
 
-    engine.runner.run = run
+    engine.runner.step = run
     finish(engine)
     assert failures
     assert_victims_unharmed(sinks, alone)
@@ -144,16 +145,17 @@ def test_nan_logits_end_only_their_request(make_engine, alone):
     """A sampled request whose row is NaN drew id V (one past the vocabulary) before."""
     engine = make_engine(max_concurrency=3)
     sinks, bad = start(engine, SamplingParams(temperature=1.0, seed=0))
-    real = engine.runner.run
+    real = engine.runner.step
 
     def run(batch):
-        logits = real(batch).clone()
+        out = real(batch)
+        logits = out.logits.clone()
         for i, (seq, _) in enumerate(batch):
             if seq is bad and len(seq.completion_ids) >= 3:
                 logits[i] = float("nan")
-        return logits
+        return StepForward(logits, out.hidden)
 
-    engine.runner.run = run
+    engine.runner.step = run
     finish(engine)
     assert_failed(sinks[POISONED], "no finite value")
     assert len(sinks[POISONED].token_ids) == 3

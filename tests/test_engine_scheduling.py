@@ -225,13 +225,13 @@ def test_cancel_returns_pages_and_the_engine_keeps_serving(make_engine):
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(make_engine, monkeypatch, caplog):
     engine = make_engine()
     doomed = engine.add(request(prompt(10, seed=15)))
-    run = engine.runner.run
+    run = engine.runner.step
 
     def broken(batch):
-        monkeypatch.setattr(engine.runner, "run", run)
+        monkeypatch.setattr(engine.runner, "step", run)
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.runner, "step", broken)
     engine.step()
     assert doomed.finish.reason == "error" and doomed.finish.error.code == "internal_error"
     assert "device fell over" in str(doomed.finish.error) and "engine step failed" in caplog.text

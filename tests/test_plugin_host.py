@@ -274,9 +274,16 @@ def test_draft_strategies_and_frontends_fold_into_their_registries():
         def route_handlers(self, app_state) -> list:
             return []
 
+    class Draft(Named):
+        def supports_model(self, target, options) -> Support:
+            return Support.yes()
+
+        def create(self, target, options):
+            raise NotImplementedError  # never built: this test only registers
+
     @hookimpl
     def register_draft_strategies():
-        return [Named("echo-draft")]
+        return [Draft("echo-draft")]
 
     @hookimpl
     def register_frontends():

@@ -42,7 +42,7 @@ class QuantArtifact:
     tensor densely with the quantized values (the comparison model), no `load_weight`."""
 
     # Optional `Artifact` members (see ninfer_core.plugin_types), declared at their defaults.
-    tensor_file = load_weight = tensor_format = object_table = None
+    tensor_file = load_weight = tensor_format = object_table = with_components = None
 
     def __init__(self, path, recipe_name: str, *, dequantized: bool = False, override=None):
         self._inner = open_checkpoint(path)

@@ -472,13 +472,27 @@ def test_the_command_has_the_options_people_copy(capsys):
     assert [o for o in ISSUE_OPTIONS if o not in out] == []
 
 
-@pytest.mark.parametrize(
-    "option", [["--spec", "mtp"], ["--draft-tokens", "3"], ["--lm-head-draft"]]
-)
-def test_speculative_options_are_refused_with_a_reason(option, capsys):
+@pytest.mark.parametrize("option", [["--draft-tokens", "3"], ["--lm-head-draft"]])
+def test_speculative_modifiers_without_a_strategy_are_refused(option, capsys):
     assert serve_main(option) == 2
     err = capsys.readouterr().err
-    assert option[0] in err and "speculative decoding" in err and "not part of this build" in err
+    assert option[0] in err and "needs --spec" in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("nope", ("nope", "ngram", "mtp")),
+        # the model has no MTP layer: refused before serving, with the strategy that works
+        ("mtp", ("--spec mtp", "MTP", "ngram")),
+    ],
+)
+def test_a_strategy_that_cannot_run_fails_at_startup(model_dir, spec, words):
+    proc = serve_process(model_dir, "--port", str(free_port()), "--spec", spec)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (out, err)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("ninfer-serve: error:") and all(w in line for w in words), line
 
 
 def free_port() -> int:

@@ -8,11 +8,12 @@ checksums are checked by `NinferArtifact.verify()` on request. See
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,18 @@ class NinferArtifact:
     def object_table(self) -> list[ObjectRecord]:
         """Every object of the file in payload order, enabled or not (for `ninfer inspect`)."""
         return list(self.header.objects)
+
+    @contextlib.contextmanager
+    def with_components(self, names: Iterable[str]) -> Iterator[NinferArtifact]:
+        """This file with `names` enabled too (those it has), for a `with` block: reopened
+        (a header read and maps, no tensor data) and closed at the block's end; weights
+        loaded from it stay valid, each view keeping its map alive."""
+        wanted = self.enabled | (set(names) & set(self.components))
+        if wanted == self.enabled:
+            yield self
+            return
+        with open_container(self.path, components=wanted) as reopened:
+            yield reopened
 
     @cached_property
     def config(self) -> dict[str, Any]:

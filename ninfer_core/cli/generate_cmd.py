@@ -20,6 +20,7 @@ from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.config import GenerateConfig, RuntimeConfig
 from ninfer_core.errors import NInferError
 from ninfer_core.sampling import SamplingParams
+from ninfer_core.spec.config import SpecConfig
 
 SAMPLING_HELP = {
     "temperature": "sampling temperature; 0 is greedy (default: the model's, else 1)",
@@ -43,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_config_arguments(p, GenerateConfig)
     add_config_arguments(p, RuntimeConfig, skip=("device_spec",))
+    add_config_arguments(p, SpecConfig)
     group = p.add_argument_group("sampling", "unset options take the model's defaults")
     for f in dataclasses.fields(SamplingParams):
         kind = int if f.name in ("top_k", "seed") else float
@@ -80,6 +82,10 @@ def run(ns: argparse.Namespace) -> int:
 
     gen = config_from_args(GenerateConfig, ns)
     runtime = config_from_args(RuntimeConfig, ns)
+    try:
+        spec = config_from_args(SpecConfig, ns)
+    except ValueError as exc:
+        raise NInferError(str(exc)) from None
     if (gen.prompt is None) == (gen.messages is None):
         raise NInferError("give exactly one of --prompt TEXT or --messages FILE.json")
     if gen.max_new < 1:
@@ -103,7 +109,9 @@ def run(ns: argparse.Namespace) -> int:
         sys.stderr.write(f"model: {choice.model_id}: {choice.reason}\n")
         path = str(choice.path)
     loaded = load_model(path, host=host, device=device, runtime=runtime)
-    engine = one_request_engine(loaded, host=host, device=device, runtime=runtime, seed=ns.seed)
+    engine = one_request_engine(
+        loaded, host=host, device=device, runtime=runtime, seed=ns.seed, spec=spec
+    )
     text = PromptText.from_loaded(loaded, engine.tokenizer)
     if gen.messages is not None:
         messages, tools = read_messages(gen.messages)
@@ -137,4 +145,11 @@ def run(ns: argparse.Namespace) -> int:
         f"decode: {stats.decode_tok_s:.1f} tok/s, total {total:.2f} s\n"
         f"peak memory: {peak_mib:.0f} MiB (resident)\n"
     )
+    if stats.spec is not None:
+        s = stats.spec
+        sys.stderr.write(
+            f"speculation: {engine.spec_name}, {s.rounds} rounds, {s.drafted} drafted, "
+            f"{s.accepted} accepted ({100 * s.acceptance_rate:.1f}%), "
+            f"{s.tokens_per_round:.2f} tokens per round\n"
+        )
     return 0

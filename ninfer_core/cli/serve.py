@@ -33,6 +33,7 @@ from ninfer_core.errors import NInferError
 from ninfer_core.memory.planner import MemoryConfig
 from ninfer_core.memory.table import render_table
 from ninfer_core.serve.config import ConnectionLimits, ServeConfig
+from ninfer_core.spec.config import SpecConfig
 
 if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `--kv-capacity N|auto` is the memory planner's (MemoryConfig), which sizes the pool.
     add_config_arguments(p, EngineConfig, skip=("kv_capacity",))
     add_config_arguments(p, RuntimeConfig, skip=RUNTIME_SKIP)
+    add_config_arguments(p, SpecConfig)
     add_config_arguments(p, MemoryConfig)
     return p
 
@@ -69,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if ns.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("ninfer_core.spec").setLevel(logging.INFO)  # the periodic summary
     try:
         serve = config_from_args(ServeConfig, ns)
-        serve.check_speculation()
+        spec = config_from_args(SpecConfig, ns)
         # --kv-capacity is the planner's (it may be `auto`); the engine gets the planned size.
         shared = {k: v for k, v in vars(ns).items() if k != "kv_capacity"}
         engine = config_from_args(EngineConfig, argparse.Namespace(**shared))
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory plan for {about['model']} on {plan.memory.device}")
         print(render_table(plan), flush=True)
         engine = dataclasses.replace(engine, kv_capacity=plan.pool_tokens)
-        code = run(ns.model, serve, engine, runtime)
+        code = run(ns.model, serve, engine, runtime, spec)
     except NInferError as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
         code = 1
@@ -103,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(code)
 
 
-def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: RuntimeConfig) -> int:
+def run(
+    model: str | None,
+    serve: ServeConfig,
+    engine: EngineConfig,
+    runtime: RuntimeConfig,
+    spec: SpecConfig | None = None,
+) -> int:
     from ninfer_core.device import probe_device
     from ninfer_core.plugin_host import create_host
     from ninfer_core.serve.app import attach_state, create_app
@@ -116,7 +125,7 @@ def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: Ru
     # Bind before anything loads: a port in use or an unknown host fails here, in one line.
     sockets = bind_sockets(serve.host, serve.port)
     urls = socket_urls(sockets)
-    print_probe(host, device, runtime)
+    print_probe(host, device, runtime, spec)
     app = create_app(
         None, host, api_key=serve.api_key, max_request_mib=serve.max_request_mib,
         body_timeout_s=serve.body_timeout_s, cors=serve.cors_origins or None,
@@ -126,7 +135,7 @@ def run(model: str | None, serve: ServeConfig, engine: EngineConfig, runtime: Ru
 
     def load(loop: asyncio.AbstractEventLoop) -> None:
         try:
-            state = load_state(model, host, device, serve, engine, runtime)
+            state = load_state(model, host, device, serve, engine, runtime, spec)
         except BaseException as exc:  # reported by the main thread, which then exits 1
             failure.append(exc)
             server.should_exit = True
@@ -199,9 +208,12 @@ def choose_default_model(serve: ServeConfig) -> tuple[str, ServeConfig]:
 # -- startup -------------------------------------------------------------------------------
 
 
-def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) -> None:
+def print_probe(
+    host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig, spec: SpecConfig | None = None
+) -> None:
     """The device and what each extension point chose on it, as `ninfer probe` says it;
-    a refused `--kv-dtype` or `--gemm-backend` fails here, with the alternatives."""
+    a refused `--kv-dtype`, `--gemm-backend` or `--spec` fails here, with the alternatives
+    (a strategy the model cannot serve fails as the model loads)."""
     from ninfer_core.kernels.compose import kernel_report, plan_kernels
     from ninfer_core.kernels.workload import KernelWorkload
     from ninfer_core.kv import kv_codec_name
@@ -215,7 +227,7 @@ def print_probe(host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig) ->
     kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel, workload=workload)
     print(device.describe())
     for report in probe(host, device, workload=workload, gemm_backend=runtime.gemm_backend,
-                        kv_dtype=kv):  # fmt: skip
+                        kv_dtype=kv, spec=spec.spec if spec else None):  # fmt: skip
         if report.point == "kernel_backends":
             report = kernel_report(report, kernels)  # one name only if it serves every op
         names = [c.name for c in report.candidates if c.status in ("chosen", "available")]
@@ -234,6 +246,7 @@ def load_state(
     serve: ServeConfig,
     config: EngineConfig,
     runtime: RuntimeConfig,
+    spec: SpecConfig | None = None,
 ) -> ServeState:
     import torch
 
@@ -248,7 +261,10 @@ def load_state(
     loaded = load_model(model or default_model(), host=host, device=device, runtime=runtime)
     print_model_kernels(loaded)
     engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype,
-                    compile_decode=runtime.compile_decode)  # fmt: skip
+                    compile_decode=runtime.compile_decode, spec=spec)  # fmt: skip
+    if engine.drafter is not None:
+        print(f"speculative decoding: {engine.spec_name}, up to "
+              f"{engine.spec_options.num_tokens} draft tokens per round", flush=True)  # fmt: skip
     tokenizer = engine.tokenizer
     options = ServeOptions(
         model_id=serve.model_id or default_model_id(model),

@@ -24,6 +24,7 @@ itself fails every live request (`StepThread._loop`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -36,6 +37,7 @@ from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine_thread import StepThread
 from ninfer_core.engine.faults import run_isolated, unusable_rows
+from ninfer_core.engine.model_runner import StepForward
 from ninfer_core.engine.request import (
     EngineClosedError,
     EngineError,
@@ -55,13 +57,29 @@ from ninfer_core.engine.request import (
 from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
 from ninfer_core.engine.scheduler import Scheduler
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
+from ninfer_core.engine.speculation import (
+    Round,
+    RowChooser,
+    apply_proposals,
+    build_drafter,
+    draft_input,
+    max_drafts,
+    verify,
+)
 from ninfer_core.engine.stats import EngineCounters, StepOutcome
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.sampling import Sampler
+from ninfer_core.spec.config import SpecConfig
+from ninfer_core.spec.stats import SpecCounters, SpecUsage
+from ninfer_core.spec.types import DraftInput
 from ninfer_core.text import GenerationDefaults, Tokenizer, stop_token_ids
 
 log = logging.getLogger(__name__)
+#: The periodic speculation summary (`ninfer-serve` shows it without `-v`).
+spec_log = logging.getLogger("ninfer_core.spec")
+#: Seconds between two speculation summaries in the log, as vLLM's stats interval.
+SPEC_LOG_INTERVAL_S = 10.0
 Sink = Callable[[GenerationEvent], None]
 
 
@@ -75,6 +93,7 @@ class Engine(StepThread):
         device: DeviceInfo,
         kv_dtype: str = "auto",
         compile_decode: bool = False,
+        spec: SpecConfig | None = None,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -86,18 +105,29 @@ class Engine(StepThread):
         self.max_context = config.context_for(model_cfg.max_position_embeddings)
         self.vocab_size = model_cfg.vocab_size
         # Unset, the pool holds one context the model can serve, not the one asked for.
-        spec = RuntimeSpec.for_tokens(
+        pool = RuntimeSpec.for_tokens(
             config.kv_capacity or self.max_context, config.block_size, kv_dtype=kv_dtype,
             prefix_cache=config.prefix_cache, max_sequences=config.max_concurrency,
             compile_decode=compile_decode,
         )  # fmt: skip
-        self.runtime = build_runtime(loaded, host, device, spec)
+        self.runtime = build_runtime(loaded, host, device, pool)
         self.kv_codec = self.runtime.kv_codec
         self.block_manager = self.runtime.block_manager
         self.runner = self.runtime.runner
         self.scheduler = Scheduler(config, self.block_manager, self.runtime.states)
         self.sampler = Sampler(seed)
         self.counters = EngineCounters()
+        #: Speculative decoding (`--spec`): the drafter, its options and the totals.
+        self.drafter = self.spec_name = self.spec_options = None
+        self.spec_counters = SpecCounters()
+        if spec is not None and spec.enabled:
+            self.spec_name, self.drafter, self.spec_options = build_drafter(
+                host, device, loaded, self.runtime, spec
+            )
+            self.runner.keep_hidden = self.drafter.uses_hidden
+        self._drafter_failed = False
+        self._spec_logged_at = clock()
+        self._spec_logged = SpecCounters()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._live: dict[str, RequestState] = {}
@@ -135,6 +165,8 @@ class Engine(StepThread):
             stop_ids |= set(self.model_stop_ids)
         seq = Sequence(request.prompt_ids, max_tokens=max_tokens, cache_salt=request.cache_salt)
         state = RequestState(request, seq, sink, self.tokenizer, stop_ids)
+        if self.drafter is not None:
+            state.spec = SpecUsage()
         with self._lock:
             if self._closing:
                 raise EngineClosedError("the engine is shutting down")
@@ -211,14 +243,16 @@ class Engine(StepThread):
                     outcome.prefill[rid] = n
                 else:
                     outcome.decode.append(rid)
+        proposing: tuple[list[Sequence], list[DraftInput]] | None = None
         if plan.batch:
             self.counters.steps += 1
             self.counters.prefill_tokens += plan.num_prefill_tokens
             self.counters.decode_tokens += plan.num_decode_tokens
+            starts = [seq.num_computed_tokens for seq, _ in plan.batch]
             start = self.clock()
             # A failure is pinned on the sequences that fail alone too (faults.py): the
             # others go on, so one request's fault never ends another client's stream.
-            result = run_isolated(self.runner.run, plan.batch)
+            result = run_isolated(self.runner.step, plan.batch)
             with self._lock:
                 if not result.failed and not result.retried:
                     elapsed = self.clock() - start
@@ -230,8 +264,12 @@ class Engine(StepThread):
                         error = EngineStepError(f"the step failed: {type(exc).__name__}: {exc}")
                         self._end(self._by_seq[seq.seq_id], "error", events, error=error)
                 self._apply_cancels(events)  # those that came during the forward
-                if result.logits is not None:
-                    self._postprocess(result.ok, result.logits, events)
+                accepted: dict[int, int] = {}
+                if result.output is not None:
+                    self._postprocess(result.ok, result.output.logits, events, accepted)
+                    if self.drafter is not None:
+                        begun = dict(zip((s.seq_id for s, _ in plan.batch), starts, strict=True))
+                        proposing = self._draft_inputs(result.ok, result.output, begun, accepted)
                 outcome.still_prefilling = [
                     self._by_seq[s.seq_id].request_id
                     for s, _ in result.ok
@@ -239,20 +277,98 @@ class Engine(StepThread):
                 ]
         outcome.events = [event for _, event in events]
         self._emit(events)
+        if proposing is not None:
+            self._propose(*proposing)
+            self._log_speculation()
         return outcome
 
+    # -- speculation -------------------------------------------------------------------------
+
+    def _draft_inputs(
+        self,
+        batch: list[tuple[Sequence, int]],
+        output: StepForward,
+        starts: dict[int, int],
+        accepted: dict[int, int],
+    ) -> tuple[list[Sequence], list[DraftInput]]:
+        """What the drafter learns of each sequence that ran and still runs; each one that
+        will draft gets the pages of its lookahead now (reserved at admission)."""
+        seqs, inputs, offset = [], [], 0
+        k = self.spec_options.num_tokens
+        for seq, n in batch:
+            if seq.status is SequenceStatus.RUNNING:
+                budget = max_drafts(seq, k)
+                if budget:
+                    self.block_manager.allocate(seq, 1 + budget)
+                item = draft_input(
+                    seq, starts[seq.seq_id], offset, output.hidden, budget,
+                    accepted.get(seq.seq_id),
+                )  # fmt: skip
+                seqs.append(seq)
+                inputs.append(item)
+            offset += n
+        return seqs, inputs
+
+    def _log_speculation(self) -> None:
+        """Every `SPEC_LOG_INTERVAL_S`, one line on the rounds since the last (vLLM's
+        figures: acceptance rate, mean tokens per round, acceptance by position)."""
+        now = self.clock()
+        if now - self._spec_logged_at < SPEC_LOG_INTERVAL_S:
+            return
+        total, last = self.spec_counters, self._spec_logged
+        rounds, drafted = total.rounds - last.rounds, total.drafted - last.drafted
+        if rounds:
+            accepted = total.accepted - last.accepted
+            old = last.accepted_per_pos + [0] * len(total.accepted_per_pos)
+            by_pos = [(n - o) / rounds for n, o in zip(total.accepted_per_pos, old, strict=False)]
+            spec_log.info(
+                "speculation (%s): %d rounds, acceptance %.1f%% (%d of %d drafts), "
+                "%.2f tokens per round, by position %s",
+                self.spec_name, rounds, 100 * accepted / drafted, accepted, drafted,
+                1 + accepted / rounds, " ".join(f"{r:.2f}" for r in by_pos),
+            )  # fmt: skip
+        self._spec_logged = dataclasses.replace(
+            total, accepted_per_pos=list(total.accepted_per_pos)
+        )
+        self._spec_logged_at = now
+
+    def _propose(self, seqs: list[Sequence], inputs: list[DraftInput]) -> None:
+        """Ask the drafter for the next step's drafts (outside the lock: it computes). A
+        drafter that fails proposes nothing this step; the sequences decode one token."""
+        try:
+            proposals = self.drafter.propose(inputs)
+            apply_proposals(seqs, inputs, proposals, self.vocab_size)
+        except Exception:
+            if not self._drafter_failed:
+                log.exception("the %s drafter failed; decoding without drafts", self.spec_name)
+            self._drafter_failed = True
+            for seq in seqs:
+                seq.draft_ids, seq.draft_probs = [], None
+
     def _postprocess(
-        self, batch: list[tuple[Sequence, int]], logits: torch.Tensor, events: list
+        self,
+        batch: list[tuple[Sequence, int]],
+        logits: torch.Tensor,
+        events: list,
+        accepted: dict[int, int],
     ) -> None:
         rows: list[int] = []
         lives: list[RequestState] = []
-        for i, (seq, _) in enumerate(batch):
+        rounds: list[tuple[RequestState, Round, torch.Tensor]] = []
+        end = 0
+        for seq, _ in batch:
+            first, end = end, end + 1 + len(seq.draft_ids)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # cancelled while it ran
+            if seq.draft_ids:  # its rows verify drafts: accepted token by token below
+                rounds.append((self._by_seq[seq.seq_id], Round.take(seq), logits[first:end]))
+                continue
             self.block_manager.commit(seq)
             if seq.num_pending_tokens == 0:  # prompt done or a decode: sample its next token
-                rows.append(i)
+                rows.append(first)
                 lives.append(self._by_seq[seq.seq_id])
+        for live, round_, verify_rows in rounds:
+            accepted[live.seq.seq_id] = self._verify(live, round_, verify_rows, events)
         if not rows:
             return
         if len(rows) < logits.shape[0]:  # a decode step samples every row: no copy then
@@ -280,6 +396,28 @@ class Engine(StepThread):
                 log.exception("postprocessing request %s failed", live.request_id)
                 self._fail(live, f"{type(exc).__name__}: {exc}", events)
 
+    def _verify(self, live: RequestState, round_: Round, rows: torch.Tensor, events: list) -> int:
+        """Accept what the target agrees with of one sequence's drafts (`speculation.py`);
+        returns the drafts accepted. A failure ends only this request."""
+        seq = live.seq
+        if any(unusable_rows(rows)):
+            seq.num_computed_tokens = round_.base
+            self._fail(live, "the model's logits for this request hold no finite value", events)
+            return 0
+        try:
+            chooser = RowChooser(self.sampler, live, round_, rows)
+            accepted = verify(
+                seq, round_, chooser,
+                lambda token: self._accept(live, token, events),
+                self.block_manager.commit, live.spec,
+            )  # fmt: skip
+        except Exception as exc:
+            log.exception("verifying the drafts of request %s failed", live.request_id)
+            self._fail(live, f"{type(exc).__name__}: {exc}", events)
+            return 0
+        self.spec_counters.record(len(round_.drafts), accepted)
+        return accepted
+
     def _sample(self, logits: torch.Tensor, lives: list[RequestState], events: list) -> list:
         """One token per row (None where its request ended): the batch in one call, and if
         that raises, row by row, so that only the rows that fail alone end their request."""
@@ -303,13 +441,17 @@ class Engine(StepThread):
                 tokens.append(None)
         return tokens
 
-    def _accept(self, state: RequestState, token: int, events: list) -> None:
+    def _accept(self, state: RequestState, token: int, events: list) -> bool:
+        """Hand `token` to its request; True when that ended the request."""
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
         event, stop, at_limit = state.accept(token)
         events.append((state.sink, event))
         if stop.finished:
             self._end(state, "stop", events, matched=stop.matched)
         elif at_limit:
             self._end(state, "length", events)
+        return stop.finished or at_limit
 
     def _fail(self, live: RequestState, why: str, events: list) -> None:
         """End one request with an internal error; the rest of the step goes on."""
@@ -328,12 +470,21 @@ class Engine(StepThread):
         seq, rid = live.seq, live.request_id
         if seq.status is SequenceStatus.RUNNING:
             self.scheduler.finish(seq)
+            seq.draft_ids, seq.draft_probs = [], None
+            if self.drafter is not None:
+                self._release(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING:
             self.scheduler.remove_waiting(seq)
         del self._live[rid], self._by_seq[seq.seq_id]
         self._cancelled.discard(rid)
         self.counters.cached_tokens += seq.num_cached_tokens
         events.append((live.sink, FinishEvent(rid, reason, live.usage(), error, matched)))
+
+    def _release(self, seq_id: int) -> None:
+        try:
+            self.drafter.release(seq_id)
+        except Exception:
+            log.exception("the %s drafter failed to release sequence %d", self.spec_name, seq_id)
 
     def _apply_cancels(self, events: list) -> None:
         for rid in list(self._cancelled):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ninfer_core.engine.model_runner import StepForward
 from ninfer_core.engine.sequence import Sequence
 
 log = logging.getLogger("ninfer_core.engine.engine")
@@ -41,19 +42,19 @@ Batch = list[tuple[Sequence, int]]
 
 @dataclass
 class IsolatedRun:
-    """What a step's forward produced: the sequences that ran, their logits, and the failures."""
+    """What a step's forward produced: the sequences that ran, their output, and the failures."""
 
-    #: (sequence, tokens run) that succeeded, in batch order; `logits` row i is ok[i]'s.
+    #: (sequence, tokens run) that succeeded, in batch order; `output` holds their rows.
     ok: Batch
-    #: [len(ok), V] fp32, or None when nothing succeeded.
-    logits: torch.Tensor | None
+    #: The forward of `ok` (logits rows in batch order), or None when nothing succeeded.
+    output: StepForward | None
     #: (sequence, the exception its forward raised), in batch order.
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
     #: The batch failed and was re-run one by one (its timing is no fair cost sample then).
     retried: bool = False
 
 
-def run_isolated(run: Callable[[Batch], torch.Tensor], batch: Batch) -> IsolatedRun:
+def run_isolated(run: Callable[[Batch], StepForward], batch: Batch) -> IsolatedRun:
     """`run(batch)`; if it raises, `run([item])` for each item, keeping what works alone."""
     # What a forward may advance; put back after a failure, so that a retry (and the next
     # step) starts from the same tokens whatever point the failed forward reached.
@@ -67,11 +68,11 @@ def run_isolated(run: Callable[[Batch], torch.Tensor], batch: Batch) -> Isolated
         if len(batch) == 1:
             return IsolatedRun([], None, [(batch[0][0], exc)])
     ok: Batch = []
-    rows: list[torch.Tensor] = []
+    parts: list[StepForward] = []
     failed: list[tuple[Sequence, Exception]] = []
     for item, n in zip(batch, computed, strict=True):
         try:
-            rows.append(run([item]))
+            parts.append(run([item]))
         except Exception as exc:
             item[0].num_computed_tokens = n
             log.error(
@@ -82,8 +83,8 @@ def run_isolated(run: Callable[[Batch], torch.Tensor], batch: Batch) -> Isolated
             ok.append(item)
     if ok:
         log.warning("the step's failure is pinned on %d of %d sequences", len(failed), len(batch))
-    logits = torch.cat(rows) if rows else None
-    return IsolatedRun(ok, logits, failed, retried=True)
+    output = StepForward.cat(parts) if parts else None
+    return IsolatedRun(ok, output, failed, retried=True)
 
 
 def unusable_rows(logits: torch.Tensor) -> list[bool]:

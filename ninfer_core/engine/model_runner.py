@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,25 @@ from ninfer_core.engine.sequence import Sequence
 from ninfer_core.kv.state import SequenceStatePool
 from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.model.attention_meta import AttentionMetadata
+
+
+@dataclass
+class StepForward:
+    """What one forward gives the engine."""
+
+    #: [R, vocab] fp32: the rows `ModelRunner.step` chose, in batch order.
+    logits: torch.Tensor
+    #: [T, hidden]: every token's final hidden state (None unless the runner keeps them).
+    hidden: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: Seq[StepForward]) -> StepForward:
+        """The forwards of consecutive parts of a batch, as one."""
+        hidden = [p.hidden for p in parts]
+        return StepForward(
+            torch.cat([p.logits for p in parts]),
+            None if any(h is None for h in hidden) else torch.cat(hidden),
+        )
 
 
 class ModelRunner:
@@ -37,6 +57,8 @@ class ModelRunner:
         self.states = states
         #: The compiled decode step (`--compile-decode`), or None.
         self.compiled = compiled
+        #: `step` returns every token's final hidden state (a drafter that reads them is on).
+        self.keep_hidden = False
         self.device = next(model.parameters()).device
         #: On the CPU, what evicted oneDNN kernels and a prefill's temporaries free goes back
         #: to the kernel (memory/heap.py). Here, not in a kernel backend: the heap is the
@@ -50,7 +72,8 @@ class ModelRunner:
     def prepare(
         self, batch: Seq[tuple[Sequence, int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids [T], positions [T], metadata) for running `n` tokens of each sequence.
+        """(input_ids [T], positions [T], metadata) for running `n` tokens of each sequence
+        (its pending tokens, then the drafts it verifies).
 
         Grows block tables where needed; the scheduler has checked `can_allocate`.
         """
@@ -59,7 +82,7 @@ class ModelRunner:
         for seq, n in batch:
             self.block_manager.allocate(seq, n)
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(seq.run_ids(start, n))
             positions.extend(range(start, start + n))
         meta = AttentionMetadata.build(batch, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -71,29 +94,54 @@ class ModelRunner:
         """Run `n` new tokens of each `(seq, n)`; logits [B, vocab] fp32 of each one's last token.
 
         `all_tokens=True` returns logits [T, vocab] for every new token instead (what
-        verifying speculative drafts needs). Afterwards each sequence's
-        `num_computed_tokens` has advanced by `n` (its K/V are in the cache);
-        appending the sampled token is the caller's job.
+        perplexity needs). Afterwards each sequence's `num_computed_tokens` has advanced
+        by `n` (its K/V are in the cache); appending the sampled token is the caller's job.
         """
+        rows = slice(None) if all_tokens else None
+        return self._forward(batch, rows, keep_hidden=False).logits
+
+    @torch.inference_mode()
+    def step(self, batch: Seq[tuple[Sequence, int]]) -> StepForward:
+        """The engine's forward: logits of each sequence's last `1 + len(draft_ids)` tokens
+        (its next-token row, or the rows that verify its drafts), in batch order, and
+        every token's final hidden state when `keep_hidden` (a drafter reads them)."""
+        rows = None
+        if any(seq.draft_ids for seq, _ in batch):
+            index: list[int] = []
+            end = 0
+            for seq, n in batch:
+                end += n
+                index.extend(range(end - 1 - len(seq.draft_ids), end))
+            rows = torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._forward(batch, rows, keep_hidden=self.keep_hidden)
+
+    def _forward(
+        self,
+        batch: Seq[tuple[Sequence, int]],
+        rows: torch.Tensor | slice | None,
+        keep_hidden: bool,
+    ) -> StepForward:
+        """One forward; logits of `rows` of the flat batch (None: each sequence's last)."""
         if self.heap is not None and any(n > 1 for _, n in batch):
             self.heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         input_ids, positions, meta = self.prepare(batch)
-        if not all_tokens and self.compiled is not None and self.compiled.takes(batch):
+        plain = rows is None and not keep_hidden
+        if plain and self.compiled is not None and self.compiled.takes(batch):
             logits = self.compiled.run(input_ids, positions, meta)
             if logits is not None:  # else it failed (and said why): run the step eagerly
                 for seq, n in batch:
                     seq.num_computed_tokens += n
-                return logits
+                return StepForward(logits)
         if self.states is None:
             hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
         else:
             step = self.states.step([seq.state_slot for seq, _ in batch])
             hidden = self.model(input_ids, positions, meta, self.kv_store, states=step)
-        if not all_tokens:
-            hidden = hidden[meta.query_start_loc[1:].long() - 1]  # [B]: each final row
-        logits = self.model.compute_logits(hidden)
+        if rows is None:
+            rows = meta.query_start_loc[1:].long() - 1  # [B]: each final row
+        logits = self.model.compute_logits(hidden[rows])
         if self.states is not None:
             step.commit()  # only now: a forward that raised left every state as it was
         for seq, n in batch:
             seq.num_computed_tokens += n
-        return logits
+        return StepForward(logits, hidden if keep_hidden else None)

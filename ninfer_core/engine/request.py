@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from ninfer_core.engine.sequence import Sequence as Seq
 from ninfer_core.errors import NInferError
 from ninfer_core.sampling import SamplingParams, SequenceTokens
+from ninfer_core.spec.stats import SpecUsage
 from ninfer_core.text import IncrementalDetokenizer, StopChecker, StopUpdate, Tokenizer
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class Usage:
     completion_tokens: int
     #: Prompt tokens whose KV came from the prefix cache instead of a prefill.
     cached_tokens: int = 0
+    #: Its speculative rounds, when the engine speculates; None otherwise.
+    spec: SpecUsage | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +175,8 @@ class RequestState:
         self.history = SequenceTokens(request.prompt_ids)
         self.detok = IncrementalDetokenizer(tokenizer, context_ids=request.prompt_ids[-8:])
         self.stops = StopChecker(stop_token_ids=stop_ids, stop_strings=list(request.stop))
+        #: Its speculative rounds (set by an engine that speculates).
+        self.spec: SpecUsage | None = None
 
     @property
     def request_id(self) -> str:
@@ -194,7 +200,8 @@ class RequestState:
 
     def usage(self) -> Usage:
         seq = self.seq
-        return Usage(seq.num_prompt_tokens, len(seq.completion_ids), seq.num_cached_tokens)
+        spec = None if self.spec is None else dataclasses.replace(self.spec)
+        return Usage(seq.num_prompt_tokens, len(seq.completion_ids), seq.num_cached_tokens, spec)
 
 
 # -- consumers -----------------------------------------------------------------------------

@@ -206,11 +206,13 @@ class Scheduler:
         return bm.blocks_for(seq.max_length) - hits <= unclaimed
 
     def _batch(self) -> list[tuple[Sequence, int]]:
-        decode = [(s, 1) for s in self.running if not s.is_prefilling]
+        # A decoding sequence runs its pending token plus the drafts it verifies.
+        decode = [(s, 1 + len(s.draft_ids)) for s in self.running if not s.is_prefilling]
         # Decodes come first; a prompt still gets a block's worth when decodes fill the
         # budget, so it is never starved by a full house of streams.
         chunk = self.config.prefill_chunk
-        budget = max(chunk - len(decode), min(chunk, self.config.block_size))
+        decode_tokens = sum(n for _, n in decode)
+        budget = max(chunk - decode_tokens, min(chunk, self.config.block_size))
         prefill = []
         for seq in self.running:
             if budget <= 0:

@@ -57,9 +57,23 @@ class Sequence:
         #: Its slot in the runtime's per-sequence state pool while it runs (a model with
         #: state layers); None otherwise.
         self.state_slot: int | None = None
+        #: Draft tokens to follow `token_ids`, verified by the next step's forward
+        #: (speculative decoding); never part of `token_ids` until the target accepts them.
+        self.draft_ids: list[int] = []
+        #: [len(draft_ids), vocab] draft distribution q of each draft; None: one-hot drafts.
+        self.draft_probs = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Tokens a forward may run: the accepted ones, then the drafts under verification."""
+        return len(self.token_ids) + len(self.draft_ids)
+
+    def run_ids(self, start: int, n: int) -> list[int]:
+        """Token ids of positions `start:start + n`, drafts after the accepted tokens."""
+        ids = self.token_ids[start : start + n]
+        if len(ids) < n:
+            first = max(0, start - len(self.token_ids))
+            ids += self.draft_ids[first : first + n - len(ids)]
+        return ids
 
     @property
     def num_pending_tokens(self) -> int:

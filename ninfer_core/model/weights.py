@@ -34,50 +34,59 @@ class WeightSlot:
 
 def weight_plan(config: ModelConfig) -> list[WeightSlot]:
     """Every tensor a dense checkpoint must provide, and where it goes."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.q_size, config.kv_size
+    h = config.hidden_size
     plan = [WeightSlot("model.embed_tokens.weight", "embed_tokens", 0, (config.vocab_size, h))]
     for n in range(config.num_layers):
-        hf, ours = f"model.layers.{n}.", f"layers.{n}."
-        att, mlp = ours + "self_attn.", ours + "mlp."
-        plan += [
-            WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
-            WeightSlot(
-                hf + "post_attention_layernorm.weight",
-                ours + "post_attention_layernorm.weight",
-                0,
-                (h,),
-            ),
-            WeightSlot(hf + "self_attn.q_proj.weight", att + "qkv_proj", 0, (q, h)),
-            WeightSlot(hf + "self_attn.k_proj.weight", att + "qkv_proj", q, (kv, h)),
-            WeightSlot(hf + "self_attn.v_proj.weight", att + "qkv_proj", q + kv, (kv, h)),
-            WeightSlot(hf + "self_attn.o_proj.weight", att + "o_proj", 0, (h, q)),
-            WeightSlot(hf + "mlp.gate_proj.weight", mlp + "gate_up_proj", 0, (i, h)),
-            WeightSlot(hf + "mlp.up_proj.weight", mlp + "gate_up_proj", i, (i, h)),
-            WeightSlot(hf + "mlp.down_proj.weight", mlp + "down_proj", 0, (h, i)),
-        ]
-        if config.attention_bias:
-            plan += [
-                WeightSlot(hf + "self_attn.q_proj.bias", att + "qkv_bias", 0, (q,)),
-                WeightSlot(hf + "self_attn.k_proj.bias", att + "qkv_bias", q, (kv,)),
-                WeightSlot(hf + "self_attn.v_proj.bias", att + "qkv_bias", q + kv, (kv,)),
-                WeightSlot(hf + "self_attn.o_proj.bias", att + "o_bias", 0, (h,)),
-            ]
-        if config.mlp_bias:
-            plan += [
-                WeightSlot(hf + "mlp.gate_proj.bias", mlp + "gate_up_bias", 0, (i,)),
-                WeightSlot(hf + "mlp.up_proj.bias", mlp + "gate_up_bias", i, (i,)),
-                WeightSlot(hf + "mlp.down_proj.bias", mlp + "down_bias", 0, (h,)),
-            ]
-        if config.qk_norm:
-            plan += [
-                WeightSlot(hf + "self_attn.q_norm.weight", att + "q_norm.weight", 0, (d,)),
-                WeightSlot(hf + "self_attn.k_norm.weight", att + "k_norm.weight", 0, (d,)),
-            ]
+        plan += layer_slots(config, f"model.layers.{n}.", f"layers.{n}.")
     plan.append(WeightSlot("model.norm.weight", "norm.weight", 0, (h,)))
     if not config.tie_word_embeddings:
         plan.append(WeightSlot("lm_head.weight", "lm_head", 0, (config.vocab_size, h)))
     return plan
+
+
+def layer_slots(config: ModelConfig, hf_prefix: str, our_prefix: str) -> list[WeightSlot]:
+    """One decoder layer's tensors, named `hf_prefix + "self_attn.q_proj.weight"` and so
+    on in the checkpoint, filling the `DecoderLayer` whose parameters are named under
+    `our_prefix`. Shared with the MTP layer, which is one such layer under other names."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    hf, ours = hf_prefix, our_prefix
+    att, mlp = ours + "self_attn.", ours + "mlp."
+    slots = [
+        WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
+        WeightSlot(
+            hf + "post_attention_layernorm.weight",
+            ours + "post_attention_layernorm.weight",
+            0,
+            (h,),
+        ),
+        WeightSlot(hf + "self_attn.q_proj.weight", att + "qkv_proj", 0, (q, h)),
+        WeightSlot(hf + "self_attn.k_proj.weight", att + "qkv_proj", q, (kv, h)),
+        WeightSlot(hf + "self_attn.v_proj.weight", att + "qkv_proj", q + kv, (kv, h)),
+        WeightSlot(hf + "self_attn.o_proj.weight", att + "o_proj", 0, (h, q)),
+        WeightSlot(hf + "mlp.gate_proj.weight", mlp + "gate_up_proj", 0, (i, h)),
+        WeightSlot(hf + "mlp.up_proj.weight", mlp + "gate_up_proj", i, (i, h)),
+        WeightSlot(hf + "mlp.down_proj.weight", mlp + "down_proj", 0, (h, i)),
+    ]
+    if config.attention_bias:
+        slots += [
+            WeightSlot(hf + "self_attn.q_proj.bias", att + "qkv_bias", 0, (q,)),
+            WeightSlot(hf + "self_attn.k_proj.bias", att + "qkv_bias", q, (kv,)),
+            WeightSlot(hf + "self_attn.v_proj.bias", att + "qkv_bias", q + kv, (kv,)),
+            WeightSlot(hf + "self_attn.o_proj.bias", att + "o_bias", 0, (h,)),
+        ]
+    if config.mlp_bias:
+        slots += [
+            WeightSlot(hf + "mlp.gate_proj.bias", mlp + "gate_up_bias", 0, (i,)),
+            WeightSlot(hf + "mlp.up_proj.bias", mlp + "gate_up_bias", i, (i,)),
+            WeightSlot(hf + "mlp.down_proj.bias", mlp + "down_bias", 0, (h,)),
+        ]
+    if config.qk_norm:
+        slots += [
+            WeightSlot(hf + "self_attn.q_norm.weight", att + "q_norm.weight", 0, (d,)),
+            WeightSlot(hf + "self_attn.k_norm.weight", att + "k_norm.weight", 0, (d,)),
+        ]
+    return slots
 
 
 def _fmt(shape) -> str:
@@ -109,10 +118,12 @@ def check_weights(
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, artifact: Artifact) -> None:
-    """Fill `model` (a `DenseDecoder`) from `artifact`, casting dense tensors to the
-    model's dtype and installing quantized matrices as they are."""
-    plan = check_weights(model.config, artifact)
+def load_weights(
+    model: torch.nn.Module, artifact: Artifact, plan: list[WeightSlot] | None = None
+) -> None:
+    """Fill `model` from `artifact` by `plan` (a `DenseDecoder`'s when None), casting
+    dense tensors to the model's dtype and installing quantized matrices as they are."""
+    plan = check_weights(model.config, artifact, plan)
     params = dict(model.named_parameters())
     load = artifact.load_weight or artifact.load_tensor  # optional: None means dense
     groups: dict[str, list[WeightSlot]] = {}

@@ -251,6 +251,15 @@ class Sampler:
                 tokens[j] = draw(probs[j : j + 1], self._own_generator(history, p.seed, device))[0]
         return tokens
 
+    def generator_for(
+        self, params: SamplingParams, history: SequenceTokens, device: torch.device
+    ) -> torch.Generator:
+        """The random stream a row draws from: its request's own when seeded, else the
+        shared one (what speculative verification draws its acceptance tests from)."""
+        if params.seed is not None:
+            return self._own_generator(history, params.seed, device)
+        return self._shared_generator(device)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared.get(device)
         if generator is None:

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 
 from ninfer_core.config import opt
-from ninfer_core.errors import NInferError
 
 DEFAULT_PORT = 18020
 #: Read when `--api-key` is not given, so the key need not appear in the process list.
@@ -64,9 +63,6 @@ class ServeConfig:
     max_connections: int = opt(
         512, "open connections at most; more get a 503 and are closed at once; 0: no limit"
     )
-    spec: str | None = opt(None, "speculative decoding: mtp or ngram (not available yet)")
-    draft_tokens: int | None = opt(None, "draft tokens per speculative round (with --spec)")
-    lm_head_draft: bool = opt(False, "draft with a reduced LM head (with --spec)")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -107,21 +103,3 @@ class ServeConfig:
     @property
     def cors_origins(self) -> list[str]:
         return [o.strip() for o in (self.cors or "").split(",") if o.strip()]
-
-    def check_speculation(self) -> None:
-        """Refuse the speculative options until speculative decoding exists, saying so."""
-        given = [
-            flag
-            for flag, value in (
-                ("--spec", self.spec),
-                ("--draft-tokens", self.draft_tokens),
-                ("--lm-head-draft", self.lm_head_draft or None),
-            )
-            if value is not None
-        ]
-        if given:
-            raise NInferError(
-                f"{', '.join(given)}: speculative decoding (MTP, n-gram, LM-head drafts) is not "
-                "part of this build yet; start without these options (greedy output is the "
-                "same either way)"
-            )

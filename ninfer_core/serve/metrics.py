@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent, GenerationRequest, TokenEvent
 
@@ -78,6 +79,7 @@ class ServeMetrics:
         }
         for name, (doc, part, attr) in gauges.items():
             Gauge(name, doc, registry=r).set_function(self._engine_reader(part, attr))
+        r.register(SpecDecodeCollector(state))
 
     def _engine_reader(self, part: str, attr: str) -> Callable[[], float]:
         """Read when scraped; a list (the scheduler's queues) reads as its length."""
@@ -149,3 +151,37 @@ class ServeMetrics:
         finally:
             self.finished.labels(reason).inc()
             await events.aclose()  # type: ignore[attr-defined]
+
+
+class SpecDecodeCollector:
+    """Speculative decoding's totals under vLLM's counter names (`spec_decode_num_drafts`,
+    `…_num_draft_tokens`, `…_num_accepted_tokens`, `…_num_accepted_tokens_per_pos`), with
+    our prefix, read from the engine when scraped. Absent while the engine does not
+    speculate, as vLLM leaves them out without a speculative config."""
+
+    PREFIX = "ninfer_spec_decode_"
+
+    def __init__(self, state: Callable[[], ServeState | None]) -> None:
+        self._state = state
+
+    def describe(self) -> list:
+        return []  # collected on demand: no fixed set to register ahead
+
+    def collect(self):
+        state = self._state()
+        if state is None or state.engine.drafter is None:
+            return
+        c, p = state.engine.spec_counters, self.PREFIX
+        yield CounterMetricFamily(p + "num_drafts", "speculative rounds", value=c.num_drafts)
+        yield CounterMetricFamily(p + "num_draft_tokens", "draft tokens", value=c.drafted)
+        yield CounterMetricFamily(
+            p + "num_accepted_tokens", "draft tokens accepted", value=c.accepted
+        )
+        per_pos = CounterMetricFamily(
+            p + "num_accepted_tokens_per_pos",
+            "rounds whose draft at this position was accepted",
+            labels=["position"],
+        )
+        for position, count in enumerate(c.accepted_per_pos):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos

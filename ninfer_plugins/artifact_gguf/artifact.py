@@ -74,6 +74,7 @@ class GGUFArtifact:
 
     #: One file: messages about a tensor name `path`.
     tensor_file = None
+    with_components = None  # one file, every tensor listed
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -1,0 +1,231 @@
+"""Speculative rounds in the engine: choose the drafter, verify its drafts, hand it the step.
+
+A decoding sequence with k drafts runs k + 1 tokens in the step's one forward (its pending
+token, then the drafts), beside the other sequences' decode tokens and prefill chunks; the
+forward's logits rows verify the drafts (`verify`). Rejected drafts are rolled back by
+rewinding the sequence's computed-token count: their K/V slots lie past it and the next
+forward writes over them, so nothing is copied. Tokens are accepted one at a time through
+the same path a non-speculative step takes (`Engine._accept`), with the computed count and
+the prefix cache's commit advanced before each, so penalties, stop strings, `max_tokens` and
+the cache index see exactly what a run without speculation sees. The prefix cache indexes
+only full blocks of computed tokens, and the count never covers a rejected draft, so no
+cached block ever holds one.
+
+Drafts never reach past `max_tokens` (`max_drafts`), so the pages reserved at admission for
+prompt plus `max_tokens` already cover every position a round can write: admission needs
+no extra reservation, and a round never waits for pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ninfer_core import conformance
+from ninfer_core.engine.sequence import Sequence as Seq
+from ninfer_core.errors import UnsupportedChoiceError
+from ninfer_core.plugin_types import Drafter
+from ninfer_core.sampling import Sampler
+from ninfer_core.sampling.sampler import draw
+from ninfer_core.spec.config import SpecConfig
+from ninfer_core.spec.rejection import accept_row
+from ninfer_core.spec.stats import SpecCounters, SpecUsage
+from ninfer_core.spec.types import DraftInput, DraftOptions, DraftTarget
+
+log = logging.getLogger("ninfer_core.engine.engine")
+
+
+def build_drafter(
+    host, device, loaded, runtime, config: SpecConfig
+) -> tuple[str, Drafter, DraftOptions]:
+    """The drafter `--spec` names for `loaded` on `device`: (strategy name, drafter, options).
+
+    Refused at startup, never in a request: a strategy the device refuses, or one that needs
+    what the model lacks (MTP weights, a draft head), raises `UnsupportedChoiceError` with
+    the reason and the strategies that would run.
+    """
+    from ninfer_core.selection import choose
+
+    name = choose(host, "draft_strategies", device, config.spec).chosen
+    options = config.options
+    if runtime.states is not None:
+        raise UnsupportedChoiceError(
+            f"--spec {name}: the model keeps recurrent state per sequence, and rolling it back "
+            "after rejected drafts is not supported yet; start without --spec"
+        )
+    target = DraftTarget(
+        artifact=loaded.artifact,
+        config=loaded.config,
+        model=loaded.model,
+        kv_codec=host.kv_codecs.get(runtime.kv_codec),
+        block_size=runtime.block_size,
+        num_blocks=runtime.block_manager.num_blocks,
+        device=next(loaded.model.parameters()).device,
+    )
+    strategies = {e.name: e.obj for e in host.draft_strategies.entries()}
+    support = strategies[name].supports_model(target, options)
+    if not support.ok:
+        others = [
+            other
+            for other, strategy in strategies.items()
+            if other != name and _model_ok(strategy, target, options)
+        ]
+        raise UnsupportedChoiceError(
+            f"--spec {name}: {support.reason}; strategies this model supports: "
+            f"{', '.join(others) or 'none'}"
+        )
+    drafter = strategies[name].create(target, options)
+    conformance.check(drafter, Drafter, f"the drafter draft strategy {name!r} created")
+    return name, drafter, options
+
+
+def _model_ok(strategy, target: DraftTarget, options: DraftOptions) -> bool:
+    try:
+        return strategy.supports_model(target, options).ok
+    except Exception:  # a probe that crashes refuses
+        return False
+
+
+@dataclass
+class Round:
+    """One sequence's drafts under verification, taken off the sequence for the step."""
+
+    drafts: list[int]
+    #: [k, vocab] draft distributions, or None for one-hot drafts.
+    probs: torch.Tensor | None
+    #: The sequence's computed count with its pending token but no draft (L + 1).
+    base: int
+
+    @classmethod
+    def take(cls, seq: Seq) -> Round:
+        drafts, probs = seq.draft_ids, seq.draft_probs
+        seq.draft_ids, seq.draft_probs = [], None
+        return cls(drafts, probs, seq.num_computed_tokens - len(drafts))
+
+
+def verify(
+    seq: Seq,
+    round_: Round,
+    choose_row: Callable[[int], tuple[int, bool]],
+    accept: Callable[[int], bool],
+    commit: Callable[[Seq], None],
+    usage: SpecUsage,
+) -> int:
+    """Accept tokens of one round in order; returns how many drafts were accepted.
+
+    `choose_row(i)` decides row i (the token to emit and whether it is draft i accepted);
+    `accept(token)` hands a token to the request and says whether the request ended. Before
+    each token the computed count covers exactly the tokens before it, and `commit` indexes
+    the blocks that became full, as a step without speculation would have. `usage` counts
+    the round before any token goes out, so the usage a finishing token reports has it.
+    """
+    usage.add(len(round_.drafts), 0)
+    accepted = 0
+    for i in range(len(round_.drafts) + 1):
+        seq.num_computed_tokens = round_.base + i
+        commit(seq)
+        token, is_draft = choose_row(i)
+        accepted += is_draft
+        usage.accepted += is_draft
+        if accept(token) or not is_draft:
+            break
+    return accepted
+
+
+class RowChooser:
+    """How one request's verification rows become tokens (greedy, or rejection sampling)."""
+
+    def __init__(self, sampler: Sampler, live, round_: Round, rows: torch.Tensor) -> None:
+        self.sampler, self.live, self.round, self.rows = sampler, live, round_, rows
+        params = live.request.params
+        self.params = params
+        # Greedy without penalties: every row's argmax at once, no per-row work.
+        self.targets = (
+            rows.argmax(dim=-1).tolist() if params.greedy and not params.has_penalties else None
+        )
+
+    def __call__(self, i: int) -> tuple[int, bool]:
+        drafts = self.round.drafts
+        if self.targets is not None:
+            token = self.targets[i]
+            return token, i < len(drafts) and token == drafts[i]
+        # The row's distribution after penalties over the tokens accepted so far (the
+        # history grows as tokens are accepted), exactly what `Sampler.sample` draws from.
+        live = self.live
+        p = self.sampler.probabilities(self.rows[i : i + 1], [self.params], [live.history])[0]
+        if self.params.greedy:  # one-hot: no draw
+            token = int(p.argmax())
+            return token, i < len(drafts) and token == drafts[i]
+        generator = self.sampler.generator_for(self.params, live.history, p.device)
+        if i == len(drafts):  # every draft accepted: the bonus token from the last row
+            return int(draw(p[None], generator)[0]), False
+        q = None if self.round.probs is None else self.round.probs[i]
+        return accept_row(p, drafts[i], q, generator)
+
+
+def max_drafts(seq: Seq, k: int) -> int:
+    """Drafts `seq` may propose: none while prefilling, and never past `max_tokens`.
+
+    A round writes K/V up to position `len(token_ids) - 1 + drafts`; staying below
+    `max_length` keeps it inside the pages admission reserved.
+    """
+    if seq.is_prefilling:
+        return 0
+    return max(0, min(k, seq.max_length - len(seq.token_ids)))
+
+
+def draft_input(
+    seq: Seq,
+    start: int,
+    offset: int,
+    hidden: torch.Tensor | None,
+    budget: int,
+    accepted: int | None,
+) -> DraftInput:
+    """What the drafter learns of `seq` after a step whose forward began at position `start`,
+    its rows at `offset` of the flat batch."""
+    end = seq.num_computed_tokens
+    rows = None if hidden is None else hidden[offset : offset + end - start]
+    return DraftInput(
+        seq_id=seq.seq_id,
+        token_ids=seq.token_ids,
+        start=start,
+        end=end,
+        block_table=seq.block_table,
+        max_drafts=budget,
+        hidden=rows,
+        accepted=accepted,
+    )
+
+
+def apply_proposals(
+    seqs: Sequence[Seq], inputs: Sequence[DraftInput], proposals: Sequence, vocab: int
+) -> None:
+    """Put each proposal on its sequence, cut to its budget; a malformed one is dropped."""
+    if len(proposals) != len(inputs):
+        raise ValueError(f"{len(proposals)} proposals for {len(inputs)} sequences")
+    for seq, item, proposal in zip(seqs, inputs, proposals, strict=True):
+        ids = [int(t) for t in proposal.token_ids][: item.max_drafts]
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"a draft token id is outside [0, {vocab})")
+        probs = proposal.probs
+        if probs is not None and ids:
+            if probs.dim() != 2 or probs.shape[0] < len(ids) or probs.shape[1] != vocab:
+                raise ValueError(f"draft probabilities of shape {tuple(probs.shape)}")
+            probs = probs[: len(ids)].float()
+        seq.draft_ids, seq.draft_probs = ids, (probs if ids else None)
+
+
+__all__ = [
+    "Round",
+    "RowChooser",
+    "SpecCounters",
+    "apply_proposals",
+    "build_drafter",
+    "draft_input",
+    "max_drafts",
+    "verify",
+]

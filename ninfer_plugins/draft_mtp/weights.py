@@ -1,0 +1,111 @@
+"""Where an artifact keeps its MTP layer's tensors, under either naming in use.
+
+Qwen3-Next checkpoints (and NInfer's built-in model) keep it under `mtp.`: `mtp.fc`,
+`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, one decoder layer under
+`mtp.layers.0.` and `mtp.norm`. DeepSeek-V3 checkpoints keep it as one more layer after the
+decoder's, `model.layers.{num_hidden_layers}.`, with `eh_proj`, `enorm`, `hnorm` and
+`shared_head.norm` beside the decoder layer's own tensors (its `embed_tokens` and
+`shared_head.head` copies are the target's and are not read). Both compute the same thing,
+so both fill the same `MTPLayer` parameters.
+
+A `.ninfer` container keeps the layer in its own component, `mtp`, and opens with only
+`text` readable (a model served without speculation never maps the rest); `mtp_tensors`
+reopens it with `mtp` as well while the layer is checked or loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.weights import WeightSlot, check_weights, layer_slots
+from ninfer_core.plugin_types import Artifact
+
+
+@dataclass(frozen=True, slots=True)
+class MTPNames:
+    """The checkpoint names of one MTP layer's tensors."""
+
+    #: The naming, for messages (`qwen3-next`, `deepseek-v3`).
+    scheme: str
+    fc: str
+    pre_fc_norm_embedding: str
+    pre_fc_norm_hidden: str
+    norm: str
+    #: Prefix of the decoder layer's tensors (`input_layernorm.weight`, ...).
+    layer: str
+
+
+QWEN3_NEXT = MTPNames(
+    scheme="qwen3-next",
+    fc="mtp.fc.weight",
+    pre_fc_norm_embedding="mtp.pre_fc_norm_embedding.weight",
+    pre_fc_norm_hidden="mtp.pre_fc_norm_hidden.weight",
+    norm="mtp.norm.weight",
+    layer="mtp.layers.0.",
+)
+
+
+def deepseek_names(config: ModelConfig) -> MTPNames:
+    """DeepSeek-V3's: the MTP layer is layer `num_hidden_layers` of the checkpoint."""
+    p = f"model.layers.{config.num_layers}."
+    return MTPNames(
+        scheme="deepseek-v3",
+        fc=p + "eh_proj.weight",
+        pre_fc_norm_embedding=p + "enorm.weight",
+        pre_fc_norm_hidden=p + "hnorm.weight",
+        norm=p + "shared_head.norm.weight",
+        layer=p,
+    )
+
+
+#: The `.ninfer` component holding the MTP layer.
+COMPONENT = "mtp"
+
+
+@contextlib.contextmanager
+def mtp_tensors(artifact: Artifact) -> Iterator[Artifact]:
+    """`artifact` with its MTP tensors listed and loadable, for a `with` block (a `.ninfer`
+    file lists its `mtp` component only when asked, `Artifact.with_components`)."""
+    if artifact.with_components is None:
+        yield artifact
+        return
+    with artifact.with_components({COMPONENT}) as full:
+        yield full
+
+
+def find_names(config: ModelConfig, artifact: Artifact) -> MTPNames | None:
+    """The naming whose `fc` tensor the artifact holds (Qwen3-Next's first), or None when
+    it holds neither: no MTP layer."""
+    names = set(artifact.tensor_names())
+    for candidate in (QWEN3_NEXT, deepseek_names(config)):
+        if candidate.fc in names:
+            return candidate
+    return None
+
+
+def mtp_plan(config: ModelConfig, names: MTPNames) -> list[WeightSlot]:
+    """Every tensor of the MTP layer and the `MTPLayer` parameter it fills."""
+    h = config.hidden_size
+    return [
+        WeightSlot(names.fc, "fc", 0, (h, 2 * h)),
+        WeightSlot(names.pre_fc_norm_embedding, "pre_fc_norm_embedding.weight", 0, (h,)),
+        WeightSlot(names.pre_fc_norm_hidden, "pre_fc_norm_hidden.weight", 0, (h,)),
+        *layer_slots(config, names.layer, "layer."),
+        WeightSlot(names.norm, "norm.weight", 0, (h,)),
+    ]
+
+
+def checked_plan(config: ModelConfig, artifact: Artifact) -> tuple[MTPNames, list[WeightSlot]]:
+    """The naming the artifact uses and its plan, every tensor and shape checked: raises
+    `ModelLoadError` naming the first missing or misshapen tensor, `LookupError` when the
+    artifact has no MTP layer at all."""
+    names = find_names(config, artifact)
+    if names is None:
+        raise LookupError(
+            f"{artifact.path}: no MTP layer (neither {QWEN3_NEXT.fc!r} nor "
+            f"{deepseek_names(config).fc!r} is among its tensors)"
+        )
+    return names, check_weights(config, artifact, mtp_plan(config, names))

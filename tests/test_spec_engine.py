@@ -1,0 +1,301 @@
+"""Speculative decoding in the engine: lossless, rolled back exactly, and never in the way.
+
+The target is the shipped built-in model in fp32 (its code and JSON text make drafts that
+are right most of the time and wrong some of the time). A scripted drafter proposes the
+tokens a run without speculation produced, corrupting some of them on purpose, so every
+round exercises acceptance, rejection and the bonus token; the real strategies are checked
+the same way against the same reference (a run without speculation).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_core.builtin_model import BUILTIN_ARTIFACT
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import probe_device
+from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.prefix_cache import chain_hashes
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.errors import UnknownNameError
+from ninfer_core.loading import load_model
+from ninfer_core.plugin_host import create_host
+from ninfer_core.sampling import SamplingParams
+from ninfer_core.spec.config import SpecConfig
+from ninfer_core.spec.types import DraftOptions, Proposal
+from ninfer_core.text import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import builtin_corpus
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(temperature=0.0)
+CODE = '''import os
+
+
+def walk_sizes(root):
+    """Yield (path, size) for every file under root."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+'''
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    host, device = create_host(), probe_device(use_cuda=False)
+    runtime = RuntimeConfig(dtype="fp32")
+    loaded = load_model(BUILTIN_ARTIFACT, host=host, device=device, runtime=runtime)
+    return loaded, host, device
+
+
+@pytest.fixture(scope="module")
+def prompts(builtin) -> dict[str, list[int]]:
+    tokenizer = Tokenizer.from_artifact(builtin[0].artifact)
+    template = builtin_corpus.ChatTemplate(builtin_corpus.CHAT_TEMPLATE)
+    transcript = builtin_corpus.transcript(random.Random(10**9 + 7), template)
+    # Up to the assistant's first tool call: the model continues with JSON.
+    cut = transcript.index("<tool_call>") + len("<tool_call>\n")
+    return {
+        "code": tokenizer.encode(CODE, add_special_tokens=False),
+        "json": tokenizer.encode(transcript[:cut], add_special_tokens=False),
+    }
+
+
+def make_engine(builtin, spec: SpecConfig | None = None, **config) -> Engine:
+    loaded, host, device = builtin
+    ec = EngineConfig(**{"kv_capacity": 2048, "max_concurrency": 4, **config})
+    return Engine(loaded, ec, host=host, device=device, kv_dtype="fp32", spec=spec, seed=0)
+
+
+def request(ids: list[int], n: int = 48, params: SamplingParams = GREEDY, **kw):
+    return GenerationRequest(ids, params, max_tokens=n, ignore_eos=True, **kw)
+
+
+class ScriptedDrafter:
+    """Proposes what the reference run produced after the sequence's tokens, with every
+    `wrong_every`-th proposed token replaced by another id (so rounds reject too)."""
+
+    uses_hidden = False
+
+    def __init__(self, references: list[list[int]], wrong_every: int = 4) -> None:
+        self.references, self.wrong_every = references, wrong_every
+        self.calls = 0
+        self.accepted: list[int | None] = []
+        self.released: list[int] = []
+
+    def propose(self, inputs):
+        out = []
+        for item in inputs:
+            self.accepted.append(item.accepted)
+            tokens = list(item.token_ids)
+            ref = next((r for r in self.references if r[: len(tokens)] == tokens), None)
+            if ref is None or not item.max_drafts:
+                out.append(Proposal())
+                continue
+            drafts = ref[len(tokens) : len(tokens) + item.max_drafts]
+            for i in range(len(drafts)):
+                self.calls += 1
+                if self.calls % self.wrong_every == 0:
+                    drafts[i] = (drafts[i] + 1) % 4096
+            out.append(Proposal(drafts))
+        return out
+
+    def release(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+
+def speculate_with(engine: Engine, drafter, k: int) -> Engine:
+    """`engine` with `drafter` in place of a strategy's (what `--spec` would build)."""
+    engine.drafter, engine.spec_name, engine.spec_options = drafter, "scripted", DraftOptions(k)
+    engine.runner.keep_hidden = drafter.uses_hidden
+    return engine
+
+
+def reference(builtin, ids: list[int], n: int = 48, **kw) -> list[int]:
+    engine = make_engine(builtin)
+    (result,) = engine.generate([request(ids, n, **kw)])
+    return result.token_ids
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("content", ["code", "json"])
+def test_greedy_output_is_the_same_with_drafts_accepted_and_rejected(builtin, prompts, k, content):
+    ids = prompts[content]
+    want = reference(builtin, ids)
+    drafter = ScriptedDrafter([ids + want])
+    engine = speculate_with(make_engine(builtin), drafter, k)
+    (result,) = engine.generate([request(ids)])
+    assert result.token_ids == want
+    spec = result.finish.usage.spec
+    assert 0 < spec.accepted < spec.drafted  # both paths ran
+    assert spec.rounds >= 48 // (k + 1)
+    assert engine.spec_counters.drafted == spec.drafted
+    assert sum(engine.spec_counters.accepted_per_pos) == spec.accepted
+    assert drafter.released  # told when the sequence ended
+    engine.check_invariants()
+
+
+def test_a_batch_of_four_beside_a_prefill_with_the_prefix_cache(builtin, prompts):
+    code, js = prompts["code"], prompts["json"]
+    starts = [code, js, code[:40], js[:-3]]
+    wants = [reference(builtin, ids) for ids in starts]
+    long_prompt = (code * 6)[:300]
+    long_want = reference(builtin, long_prompt, 16)
+    drafter = ScriptedDrafter([s + w for s, w in zip(starts, wants, strict=True)])
+    engine = speculate_with(make_engine(builtin, prefill_chunk=64), drafter, 3)
+    results = [engine.add(request(ids)) for ids in starts]
+    for _ in range(6):
+        engine.step()
+    late = engine.add(request(long_prompt, 16))  # prefilled in chunks beside the decodes
+    mixed = 0
+    while engine.has_work:
+        outcome = engine.step()
+        mixed += bool(outcome.prefill) and bool(outcome.decode)
+        engine.check_invariants()
+    assert mixed >= 2
+    assert [r.token_ids for r in results] == wants
+    assert late.token_ids == long_want
+    assert engine.spec_counters.accepted > 0
+
+
+def test_rejected_rounds_leave_pages_and_the_prefix_cache_as_a_plain_run(builtin, prompts):
+    ids = prompts["code"]
+    plain, spec = make_engine(builtin), make_engine(builtin)
+    want = reference(builtin, ids, 60)
+    speculate_with(spec, ScriptedDrafter([ids + want], wrong_every=3), 4)
+    seen: dict[str, dict[int, tuple]] = {"plain": {}, "spec": {}}
+    for name, engine in (("plain", plain), ("spec", spec)):
+        result = engine.add(request(ids, 60))
+        while engine.has_work:
+            engine.step()
+            (seq,) = engine.scheduler.running or [None]
+            if seq is not None:
+                bm = engine.block_manager
+                computed = seq.num_computed_tokens
+                table = tuple(seq.block_table[: bm.blocks_for(computed)])
+                seen[name][len(seq.token_ids)] = (computed, table, tuple(seq.block_hashes))
+        assert result.token_ids == want
+    common = seen["plain"].keys() & seen["spec"].keys()
+    assert len(common) >= 10
+    for n in common:
+        assert seen["spec"][n] == seen["plain"][n]
+    # The cache indexes the same blocks, under keys of accepted tokens only.
+    plain_index, spec_index = (
+        dict(plain.block_manager.cache.items()),
+        dict(spec.block_manager.cache.items()),
+    )
+    assert spec_index == plain_index and len(spec_index) >= 4
+    root = spec.block_manager.cache.root
+    accepted_keys = set(chain_hashes(ids + want, 16, root))
+    assert set(spec_index) <= accepted_keys
+    # ... and those blocks hold the same K/V: no rejected token's K/V was ever cached.
+    for block in spec_index.values():
+        table = torch.tensor([block])
+        for layer in range(builtin[0].config.num_layers):
+            k_plain, v_plain = plain.runtime.kv_store.gather(layer, table)
+            k_spec, v_spec = spec.runtime.kv_store.gather(layer, table)
+            torch.testing.assert_close(k_spec, k_plain, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v_spec, v_plain, atol=1e-4, rtol=1e-4)
+
+
+def test_penalties_stop_strings_and_max_tokens_see_the_same_tokens(builtin, prompts):
+    ids = prompts["code"]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5)
+    want = reference(builtin, ids, 40, params=params)
+    engine = make_engine(builtin)
+    text = engine.tokenizer.decode(want)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    (plain,) = make_engine(builtin).generate([request(ids, 40, params, stop=[stop])])
+    for k in (2, 5):
+        drafter = ScriptedDrafter([ids + want], wrong_every=5)
+        spec = speculate_with(make_engine(builtin), drafter, k)
+        (full,) = spec.generate([request(ids, 40, params)])
+        assert full.token_ids == want
+        (stopped,) = spec.generate([request(ids, 40, params, stop=[stop])])
+        assert (stopped.text, stopped.finish.reason) == (plain.text, plain.finish.reason)
+        assert stopped.finish.usage.completion_tokens == plain.finish.usage.completion_tokens
+        # A limit inside a round: 7 tokens is never a multiple of a round's yield here.
+        (short,) = spec.generate([request(ids, 7, params)])
+        assert short.token_ids == want[:7] and short.finish.reason == "length"
+        spec.check_invariants()
+
+
+def test_the_drafter_hears_what_was_accepted(builtin, prompts):
+    ids = prompts["json"]
+    want = reference(builtin, ids, 24)
+    drafter = ScriptedDrafter([ids + want], wrong_every=3)
+    engine = speculate_with(make_engine(builtin), drafter, 3)
+    (result,) = engine.generate([request(ids, 24)])
+    told = [a for a in drafter.accepted if a is not None]
+    spec = result.finish.usage.spec
+    # Every verified round is reported, except the last (the request ended in it).
+    assert len(told) >= spec.rounds - 1 and sum(told) <= spec.accepted
+
+
+def test_a_failing_drafter_is_logged_once_and_decoding_goes_on(builtin, prompts, caplog):
+    ids = prompts["code"]
+    want = reference(builtin, ids, 20)
+
+    class Broken(ScriptedDrafter):
+        def propose(self, inputs):
+            raise RuntimeError("drafter broke")
+
+    engine = speculate_with(make_engine(builtin), Broken([]), 3)
+    with caplog.at_level(logging.ERROR):
+        (result,) = engine.generate([request(ids, 20)])
+    assert result.token_ids == want
+    assert sum("drafter failed" in r.message for r in caplog.records) == 1
+
+
+def test_bad_proposals_are_dropped_not_sent(builtin, prompts):
+    ids = prompts["code"]
+    want = reference(builtin, ids, 12)
+
+    class OutOfVocab(ScriptedDrafter):
+        def propose(self, inputs):
+            return [Proposal([10**6]) for _ in inputs]
+
+    engine = speculate_with(make_engine(builtin), OutOfVocab([]), 3)
+    (result,) = engine.generate([request(ids, 12)])
+    assert result.token_ids == want
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(builtin, prompts):
+    ids = prompts["json"]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
+    want = reference(builtin, ids, 32)
+    runs = []
+    for _ in range(2):
+        drafter = ScriptedDrafter([ids + want], wrong_every=3)
+        engine = speculate_with(make_engine(builtin), drafter, 3)
+        (result,) = engine.generate([request(ids, 32, params)])
+        runs.append(result.token_ids)
+        assert len(result.token_ids) == 32
+    assert runs[0] == runs[1]
+
+
+def test_ngram_is_lossless_and_accepts_on_repeated_code(builtin, prompts):
+    ids = prompts["code"] * 2  # the continuation repeats what came before
+    want = reference(builtin, ids, 40)
+    engine = make_engine(builtin, spec=SpecConfig(spec="ngram", draft_tokens=4))
+    (result,) = engine.generate([request(ids, 40)])
+    assert result.token_ids == want
+    assert result.finish.usage.spec.accepted > 0
+
+
+def test_spec_options_are_checked(builtin):
+    with pytest.raises(ValueError, match="needs --spec"):
+        SpecConfig(draft_tokens=3)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        SpecConfig(spec="ngram", draft_tokens=0)
+    with pytest.raises(UnknownNameError):
+        make_engine(builtin, spec=SpecConfig(spec="nope"))
