@@ -47,6 +47,7 @@ BUILT_BY = {
     "model_families": [plugin_types.CausalLM],
     "kv_codecs": [plugin_types.KVStore],
     "kernel_backends": [plugin_types.KernelOps],
+    "draft_strategies": [plugin_types.Drafter],
 }
 
 

@@ -299,3 +299,31 @@ def test_spec_options_are_checked(builtin):
         SpecConfig(spec="ngram", draft_tokens=0)
     with pytest.raises(UnknownNameError):
         make_engine(builtin, spec=SpecConfig(spec="nope"))
+
+
+STRATEGIES = [SpecConfig(spec="ngram", draft_tokens=k) for k in (1, 3, 5)] + [
+    SpecConfig(spec="mtp", draft_tokens=k) for k in (1, 3, 5)
+]
+
+
+@pytest.mark.parametrize("spec", STRATEGIES, ids=lambda s: f"{s.spec}-k{s.draft_tokens}")
+def test_each_strategy_is_lossless_alone_and_in_a_batch_beside_a_prefill(builtin, prompts, spec):
+    code, js = prompts["code"], prompts["json"]
+    starts = [code, js, code * 2, js[:-5]]
+    wants = [reference(builtin, ids, 32) for ids in starts]
+    engine = make_engine(builtin, spec=spec, prefill_chunk=64)
+    assert engine.spec_name == spec.spec
+    for ids, want in zip(starts[:2], wants, strict=False):  # alone
+        (result,) = engine.generate([request(ids, 32)])
+        assert result.token_ids == want
+    results = [engine.add(request(ids, 32)) for ids in starts]  # four at once
+    for _ in range(3):
+        engine.step()
+    late = engine.add(request((js * 3)[:250], 8))  # a prefill beside the decodes
+    while engine.has_work:
+        engine.step()
+    assert [r.token_ids for r in results] == wants
+    assert late.token_ids == reference(builtin, (js * 3)[:250], 8)
+    counters = engine.spec_counters
+    assert counters.rounds and 0 < counters.accepted <= counters.drafted
+    engine.check_invariants()

@@ -55,6 +55,8 @@ class Plan:
     clamped: bool = False
     #: The prefilled start of a forced tool call, read before the model's text.
     opening: str = ""
+    #: The final usage carries `spec_stats` (the request's `return_spec_stats`).
+    spec_stats: bool = False
 
     def assembler(self) -> BlockAssembler:
         blocks = BlockAssembler(
@@ -126,7 +128,8 @@ async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) ->
     thinking_open = convert.opens_thinking(state, ids)
     clamped = budget < data.max_tokens
     opening = convert.opening(state, prompt)
-    return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped, opening)
+    return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped, opening,
+                data.return_spec_stats)  # fmt: skip
 
 
 def stop_reason(plan: Plan, finish: FinishEvent, tool_use: bool) -> tuple[str, str | None]:
@@ -176,8 +179,9 @@ async def create_message(
     blocks = p.assembler()
     finish = await until_disconnect(request, collect(state.generate(p.request), blocks))
     reason, sequence = stop_reason(p, finish, blocks.has_tool_use)
+    spent = usage(finish.usage, state.engine.config, with_spec=p.spec_stats)
     body = message(mid, p, blocks.blocks, stop_reason=reason, stop_sequence=sequence,
-                   usage=usage(finish.usage, state.engine.config))  # fmt: skip
+                   usage=spent)  # fmt: skip
     return Response(body, status_code=200, headers=headers)
 
 
@@ -221,7 +225,8 @@ async def stream(
             yield _sse(event)
         reason, sequence = stop_reason(plan, finish, blocks.has_tool_use)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        yield _sse({"type": "message_delta", "delta": delta, "usage": usage(finish.usage, config)})
+        spent = usage(finish.usage, config, with_spec=plan.spec_stats)
+        yield _sse({"type": "message_delta", "delta": delta, "usage": spent})
         yield _sse({"type": "message_stop"})
     except ApiError as exc:
         yield _sse(error_body(exc.status, exc.message, exc.kind))

@@ -5,9 +5,12 @@ Anthropic counts a prompt in three parts that add up to it: `cache_read_input_to
 request) and `input_tokens` (neither). NInfer's prefix cache is automatic: a request reads
 the full KV blocks an earlier prompt left, and writes every other full block of its prompt
 (`engine/prefix_cache.py`); the tail of the prompt that does not fill a block is neither.
+A request that sets `return_spec_stats` also gets its speculative rounds, as `spec_stats`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.request import Usage
@@ -22,11 +25,17 @@ def cache_writes(u: Usage, config: EngineConfig) -> int:
     return max(0, full - u.cached_tokens)
 
 
-def usage(u: Usage, config: EngineConfig) -> dict[str, int]:
+def usage(u: Usage, config: EngineConfig, *, with_spec: bool = False) -> dict[str, Any]:
+    """Anthropic's usage; with `with_spec` (the request's `return_spec_stats`) and an engine
+    that speculates, also `spec_stats`. Left out otherwise, not null, so an answer nobody
+    asked extras of is exactly Anthropic's shape."""
     written = cache_writes(u, config)
-    return {
+    out: dict[str, Any] = {
         "input_tokens": u.prompt_tokens - u.cached_tokens - written,
         "cache_creation_input_tokens": written,
         "cache_read_input_tokens": u.cached_tokens,
         "output_tokens": u.completion_tokens,
     }
+    if with_spec and u.spec is not None:
+        out["spec_stats"] = u.spec.to_json()
+    return out

@@ -163,6 +163,8 @@ class MessagesRequest(PromptFields, kw_only=True):
     #: Only requests with the same salt share prefix-cache blocks (vLLM's field; see
     #: ninfer_core/serve/cache_salt.py).
     cache_salt: str | None = None
+    #: Ours: return the request's speculative-decoding figures as `usage.spec_stats`.
+    return_spec_stats: bool = False
     #: `format` (structured output) is refused until decoding can be constrained;
     #: `effort` and the rest are accepted and ignored.
     output_config: OutputConfig | None = None

@@ -5,7 +5,8 @@ The conversation goes through the model's chat template (tools included), the an
 function) prefills the answer with the opening of the model's call form: the prompt ends
 with it and `ChatOutput` reads it first, so the call parses whole. Streaming sends the role
 first, then one chunk per piece of text or finished tool call, then the finish reason and,
-when asked for (`stream_options.include_usage`), a last chunk with the usage.
+when asked for (`stream_options.include_usage`), a last chunk with the usage. A request's
+`spec_stats` (`return_spec_stats`) rides in that usage, or without one on the finish chunk.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from litestar import Request, Response, post
 from litestar.openapi import ResponseSpec
 from litestar.params import JSONBody
+from msgspec import UNSET, UnsetType
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent
 from ninfer_core.serve.limits import until_disconnect
@@ -24,6 +26,7 @@ from ninfer_core.text.tool_calls import ToolCall
 from ninfer_core.text.tool_choice import call_opening, with_opening
 from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.common import (
+    StreamExtras,
     check_model,
     collect,
     first_event,
@@ -107,9 +110,8 @@ def route_handlers(state: ServeState) -> list:
         rid, created = new_id("chatcmpl"), now()
         if data.stream:
             first = await first_event(request, events)
-            include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            chunks = stream(first, events, output, rid, created, model, include_usage)
-            return sse(chunks)
+            extras = StreamExtras.asked(data)
+            return sse(stream(first, events, output, rid, created, model, extras))
         finish = await until_disconnect(request, collect(events, output.feed))
         output.finish()
         content = "".join(output.content)
@@ -119,7 +121,8 @@ def route_handlers(state: ServeState) -> list:
             tool_calls=out_calls(output.calls),
         )
         choice = wire.ChatChoice(0, message, finish_reason(finish.reason, output.calls))
-        return Response(wire.ChatCompletion(rid, created, model, [choice], usage(finish.usage)))
+        spent = usage(finish.usage, with_spec=data.return_spec_stats)
+        return Response(wire.ChatCompletion(rid, created, model, [choice], spent))
 
     return [chat_completions]
 
@@ -131,11 +134,17 @@ async def stream(
     rid: str,
     created: int,
     model: str,
-    include_usage: bool,
+    extras: StreamExtras,
 ) -> AsyncIterator[str]:
-    def chunk(delta: wire.Delta, reason: str | None = None) -> str:
+    def chunk(
+        delta: wire.Delta,
+        reason: str | None = None,
+        stats: wire.SpecStats | UnsetType = UNSET,
+    ) -> str:
         choice = wire.ChunkChoice(0, delta, reason)
-        return wire.encode(wire.ChatCompletionChunk(rid, created, model, [choice]))
+        return wire.encode(
+            wire.ChatCompletionChunk(rid, created, model, [choice], spec_stats=stats)
+        )
 
     def deltas(piece: Piece) -> list[str]:
         out = []
@@ -161,8 +170,10 @@ async def stream(
             event = await anext(events)
         for text in deltas(output.finish()):
             yield text
-        yield chunk(wire.Delta(), finish_reason(event.reason, output.calls))
-        if include_usage:
-            yield wire.encode(wire.ChatCompletionChunk(rid, created, model, [], usage(event.usage)))
+        reason = finish_reason(event.reason, output.calls)
+        yield chunk(wire.Delta(), reason, extras.on_finish(event.usage))
+        spent = extras.usage_chunk(event.usage)
+        if spent is not None:
+            yield wire.encode(wire.ChatCompletionChunk(rid, created, model, [], spent))
     finally:
         await events.aclose()  # type: ignore[attr-defined]

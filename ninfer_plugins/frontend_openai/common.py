@@ -1,16 +1,18 @@
-"""What chat and completions share: the model check, the generation request, usage, and the
-stream's framing."""
+"""What chat and completions share: the model check, the generation request, usage (with
+the `spec_stats` extension), and the stream's framing."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from litestar import Request
 from litestar.response import ServerSentEvent
+from msgspec import UNSET, UnsetType
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent, GenerationRequest
 from ninfer_core.engine.request import Usage as EngineUsage
@@ -114,12 +116,47 @@ def generation_request(
     )
 
 
-def usage(u: EngineUsage) -> wire.Usage:
+@dataclass(frozen=True)
+class StreamExtras:
+    """What a stream sends beyond the text: a usage chunk (`stream_options.include_usage`)
+    and the request's `spec_stats` (`return_spec_stats`), in that usage chunk when there is
+    one, else on the finish chunk, so a client gets them without asking for usage too."""
+
+    include_usage: bool = False
+    spec_stats: bool = False
+
+    @classmethod
+    def asked(cls, data: wire.SamplingFields) -> StreamExtras:
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return cls(include_usage, data.return_spec_stats)
+
+    def on_finish(self, u: EngineUsage) -> wire.SpecStats | UnsetType:
+        """`spec_stats` for the finish chunk: only when no usage chunk follows."""
+        return UNSET if self.include_usage else spec_stats(u, self.spec_stats)
+
+    def usage_chunk(self, u: EngineUsage) -> wire.Usage | None:
+        """The last chunk's usage, or None when the client did not ask for that chunk."""
+        return usage(u, with_spec=self.spec_stats) if self.include_usage else None
+
+
+def spec_stats(u: EngineUsage, asked: bool) -> wire.SpecStats | UnsetType:
+    """The request's speculative rounds when it asked (`return_spec_stats`) and the engine
+    speculates; else `UNSET`, which leaves the field out rather than sending a null that
+    would read as "asked, nothing to say"."""
+    if not asked or u.spec is None:
+        return UNSET
+    return msgspec.convert(u.spec.to_json(), wire.SpecStats)
+
+
+def usage(u: EngineUsage, *, with_spec: bool = False) -> wire.Usage:
+    """OpenAI's usage; with `with_spec` (the request's `return_spec_stats`) also
+    `spec_stats`, as usage is where a response accounts for its own request."""
     return wire.Usage(
         prompt_tokens=u.prompt_tokens,
         completion_tokens=u.completion_tokens,
         total_tokens=u.prompt_tokens + u.completion_tokens,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=u.cached_tokens),
+        spec_stats=spec_stats(u, with_spec),
     )
 
 

@@ -13,12 +13,14 @@ from collections.abc import AsyncIterator
 from litestar import Request, Response, post
 from litestar.openapi import ResponseSpec
 from litestar.params import JSONBody
+from msgspec import UNSET, UnsetType
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.common import (
+    StreamExtras,
     check_model,
     collect,
     first_event,
@@ -89,12 +91,12 @@ def route_handlers(state: ServeState) -> list:
         rid, created = new_id("cmpl"), now()
         if data.stream:
             first = await first_event(request, events)
-            include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            return sse(stream(first, events, echo, rid, created, model, include_usage))
+            return sse(stream(first, events, echo, rid, created, model, StreamExtras.asked(data)))
         parts: list[str] = [echo]
         finish = await until_disconnect(request, collect(events, parts.append))
         choice = wire.CompletionChoice(0, "".join(parts), finish_reason(finish.reason))
-        return Response(wire.Completion(rid, created, model, [choice], usage(finish.usage)))
+        spent = usage(finish.usage, with_spec=data.return_spec_stats)
+        return Response(wire.Completion(rid, created, model, [choice], spent))
 
     return [completions]
 
@@ -106,11 +108,13 @@ async def stream(
     rid: str,
     created: int,
     model: str,
-    include_usage: bool,
+    extras: StreamExtras,
 ) -> AsyncIterator[str]:
-    def chunk(text: str, reason: str | None = None) -> str:
+    def chunk(
+        text: str, reason: str | None = None, stats: wire.SpecStats | UnsetType = UNSET
+    ) -> str:
         choice = wire.CompletionChoice(0, text, reason)
-        return wire.encode(wire.Completion(rid, created, model, [choice]))
+        return wire.encode(wire.Completion(rid, created, model, [choice], spec_stats=stats))
 
     try:
         if echo:
@@ -120,8 +124,9 @@ async def stream(
             if event.text:
                 yield chunk(event.text)
             event = await anext(events)
-        yield chunk("", finish_reason(event.reason))
-        if include_usage:
-            yield wire.encode(wire.Completion(rid, created, model, [], usage(event.usage)))
+        yield chunk("", finish_reason(event.reason), extras.on_finish(event.usage))
+        spent = extras.usage_chunk(event.usage)
+        if spent is not None:
+            yield wire.encode(wire.Completion(rid, created, model, [], spent))
     finally:
         await events.aclose()  # type: ignore[attr-defined]

@@ -5,7 +5,10 @@ Unknown fields are ignored, as OpenAI-compatible servers do (clients send `user`
 `metadata`, ...). Fields this server cannot honour are declared, so that a request relying on
 them is refused with a message instead of being silently served differently (see
 `common.refuse_unsupported`). `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and
-`chat_template_kwargs` are the extensions vLLM made common.
+`chat_template_kwargs` are the extensions vLLM made common; `return_spec_stats` is ours.
+
+Extension fields of a response (`spec_stats`) are `UNSET` unless asked for, and msgspec
+leaves an `UNSET` field out: a response nobody asked extras of is the plain OpenAI shape.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 # -- requests ------------------------------------------------------------------------------
 
@@ -99,6 +102,8 @@ class SamplingFields(Struct, kw_only=True):
     #: Only requests with the same salt share prefix-cache blocks (vLLM's field; see
     #: ninfer_core/serve/cache_salt.py).
     cache_salt: str | None = None
+    #: Return the request's speculative-decoding figures (`spec_stats`) with its usage.
+    return_spec_stats: bool = False
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -129,11 +134,27 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
+class SpecStats(Struct):
+    """One request's speculative rounds (`SpecUsage.to_json()`), for `return_spec_stats`."""
+
+    #: Rounds that verified at least one draft.
+    rounds: int
+    #: Drafts verified, and how many of them the model accepted.
+    draft_tokens: int
+    accepted_tokens: int
+    #: accepted_tokens / draft_tokens (0 without drafts).
+    acceptance_rate: float
+    #: Tokens a verifying forward yielded on average: 1 + accepted_tokens / rounds.
+    tokens_per_round: float
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    #: Only with `return_spec_stats` on an engine that speculates.
+    spec_stats: SpecStats | UnsetType = UNSET
 
 
 class FunctionCallOut(Struct):
@@ -199,6 +220,8 @@ class ChatCompletionChunk(Struct):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    #: On the finish chunk, with `return_spec_stats` but no usage chunk to carry it.
+    spec_stats: SpecStats | UnsetType = UNSET
 
 
 class CompletionChoice(Struct):
@@ -215,6 +238,8 @@ class Completion(Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+    #: On the finish chunk, with `return_spec_stats` but no usage chunk to carry it.
+    spec_stats: SpecStats | UnsetType = UNSET
 
 
 class Model(Struct):
