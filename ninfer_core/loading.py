@@ -72,6 +72,18 @@ def opened_artifact(path: str | Path, host: PluginHost | None = None) -> Iterato
             close()
 
 
+@contextlib.contextmanager
+def with_components(artifact: Artifact, names: set[str]) -> Iterator[Artifact]:
+    """`artifact` with its optional components `names` listed and loadable too, for a
+    `with` block (`Artifact.with_components`; an artifact without that member lists every
+    tensor already)."""
+    if artifact.with_components is None:
+        yield artifact
+        return
+    with artifact.with_components(names) as full:
+        yield full
+
+
 def open_artifact(host: PluginHost, path: str | Path) -> Artifact:
     """Open `path` with the first reader that recognises it."""
     path = Path(path)

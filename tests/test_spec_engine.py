@@ -24,7 +24,7 @@ from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.engine import Engine
 from ninfer_core.engine.prefix_cache import chain_hashes
 from ninfer_core.engine.request import GenerationRequest
-from ninfer_core.errors import UnknownNameError
+from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
@@ -327,3 +327,46 @@ def test_each_strategy_is_lossless_alone_and_in_a_batch_beside_a_prefill(builtin
     counters = engine.spec_counters
     assert counters.rounds and 0 < counters.accepted <= counters.drafted
     engine.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def with_draft_head(builtin, prompts, tmp_path_factory):
+    """The built-in model with a 256-row draft head ranked over a small code/JSON corpus,
+    loaded like `builtin`."""
+    from ninfer_core.draft_head_build import build_draft_head
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    tokenizer = Tokenizer.from_artifact(builtin[0].artifact)
+    (corpus / "code.py").write_text(CODE * 3, encoding="utf-8")
+    (corpus / "calls.json").write_text(tokenizer.decode(prompts["json"]), encoding="utf-8")
+    out = tmp_path_factory.mktemp("head") / "builtin.draft-head.ninfer"
+    build_draft_head(BUILTIN_ARTIFACT, corpus, 256, out=out, heldout_fraction=0.0,
+                     runtime=RuntimeConfig(dtype="fp32"))  # fmt: skip
+    _, host, device = builtin
+    return (
+        load_model(out, host=host, device=device, runtime=RuntimeConfig(dtype="fp32")),
+        host,
+        device,
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_mtp_with_the_reduced_draft_head_is_lossless(builtin, with_draft_head, prompts, k):
+    spec = SpecConfig(spec="mtp", draft_tokens=k, lm_head_draft=True)
+    engine = make_engine(with_draft_head, spec=spec)
+    starts = [prompts["code"], prompts["json"]]
+    results = engine.generate([request(ids, 32) for ids in starts])
+    assert [r.token_ids for r in results] == [reference(builtin, ids, 32) for ids in starts]
+    assert engine.spec_counters.accepted > 0
+
+
+def test_lm_head_draft_without_a_draft_head_fails_at_startup(builtin):
+    with pytest.raises(UnsupportedChoiceError, match="draft-head build"):
+        make_engine(builtin, spec=SpecConfig(spec="mtp", lm_head_draft=True))
+
+
+def test_mtp_on_a_model_without_an_mtp_layer_names_ngram(engine_model):
+    loaded, host, device = engine_model
+    with pytest.raises(UnsupportedChoiceError, match="ngram"):
+        Engine(loaded, EngineConfig(kv_capacity=256), host=host, device=device,
+               spec=SpecConfig(spec="mtp"))  # fmt: skip

@@ -21,6 +21,7 @@ COMMANDS = {
     "convert": "ninfer_core.cli.convert_cmd",
     "inspect": "ninfer_core.cli.inspect_cmd",
     "eval-ppl": "ninfer_core.cli.eval_ppl_cmd",
+    "draft-head": "ninfer_core.cli.draft_head_cmd",
 }
 
 

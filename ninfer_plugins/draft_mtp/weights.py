@@ -15,10 +15,10 @@ reopens it with `mtp` as well while the layer is checked or loaded.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+from ninfer_core.loading import with_components
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.weights import WeightSlot, check_weights, layer_slots
 from ninfer_core.plugin_types import Artifact
@@ -65,15 +65,10 @@ def deepseek_names(config: ModelConfig) -> MTPNames:
 COMPONENT = "mtp"
 
 
-@contextlib.contextmanager
-def mtp_tensors(artifact: Artifact) -> Iterator[Artifact]:
+def mtp_tensors(artifact: Artifact) -> AbstractContextManager[Artifact]:
     """`artifact` with its MTP tensors listed and loadable, for a `with` block (a `.ninfer`
-    file lists its `mtp` component only when asked, `Artifact.with_components`)."""
-    if artifact.with_components is None:
-        yield artifact
-        return
-    with artifact.with_components({COMPONENT}) as full:
-        yield full
+    file lists its `mtp` component only when asked)."""
+    return with_components(artifact, {COMPONENT})
 
 
 def find_names(config: ModelConfig, artifact: Artifact) -> MTPNames | None:
