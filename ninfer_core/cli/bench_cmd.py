@@ -22,6 +22,7 @@ from ninfer_core.bench.kv import KVBenchConfig
 from ninfer_core.bench.memory_growth import MemoryBenchConfig
 from ninfer_core.bench.serve import ServeBenchConfig
 from ninfer_core.bench.soak import SoakBenchConfig
+from ninfer_core.bench.spec import SpecBenchConfig
 from ninfer_core.bench.threads import ThreadsBenchConfig
 from ninfer_core.cli.args import add_config_arguments, config_from_args
 from ninfer_core.errors import NInferError
@@ -103,6 +104,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="decode ms/token by thread count and OpenMP wait policy, with busy-loop hogs",
         description="Each configuration in a child process (the wait policy is read when "
         "OpenMP loads), quiet and beside one busy-looping process per core.",
+        default="the small built-in model",
+    )  # fmt: skip
+    _bench(
+        benches, "spec", SpecBenchConfig, run_spec,
+        help="speculative decoding per content class: acceptance, tok/s against no speculation",
+        description="Greedy generations of bundled code, JSON tool-call and prose prompts by "
+        "each draft strategy at each draft count and by an engine without speculation, "
+        "alternated in one run: acceptance rate, tokens per round, acceptance by draft "
+        "position, decode tok/s with and without and their ratio, and whether the greedy "
+        "ids were identical (they must be). Strategies the model refuses are skipped with "
+        "the reason.",
         default="the small built-in model",
     )  # fmt: skip
     s = benches.add_parser(
@@ -293,6 +305,14 @@ def run_memory(ns: argparse.Namespace) -> int:
     loaded, host, device = _load(ns.model, default_model, cfg.dtype)
     result = run_phases(loaded, host, device, cfg)
     return _emit(result, cfg.as_json, render)
+
+
+def run_spec(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.spec import render, run_bench
+
+    cfg = config_from_args(SpecBenchConfig, ns)
+    cfg.check()  # a bad list fails before any model loads
+    return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
 
 
 def run_threads(ns: argparse.Namespace) -> int:
