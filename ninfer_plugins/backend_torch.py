@@ -13,7 +13,7 @@ from ninfer_core.kernels.reference import (  # noqa: F401  (re-exported)
     _INT4_CPU,
     Int4Linear,
     TorchOps,
-    _decode_one,
+    _decode_rows,
     gather_heads,
     int4_format_supported,
     int4_layout_known,

@@ -29,7 +29,7 @@ from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.memory.planner import MIB
 from ninfer_core.model.ops import decode_length, decode_length_count
 from ninfer_core.sampling import SamplingParams
-from ninfer_plugins.backend_torch import _decode_one
+from ninfer_plugins.backend_torch import _decode_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,8 +51,8 @@ def test_padded_keys_change_nothing():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 32, generator=g)
     k, v = torch.randn(4, 80, 32, generator=g), torch.randn(4, 80, 32, generator=g)
-    padded = _decode_one(q, k, v, 0.2, valid=71)
-    exact = _decode_one(q, k[:, :71].contiguous(), v[:, :71].contiguous(), 0.2, valid=71)
+    padded = _decode_rows(q, k, v, 0.2, valid=71)
+    exact = _decode_rows(q, k[:, :71].contiguous(), v[:, :71].contiguous(), 0.2, valid=71)
     torch.testing.assert_close(padded, exact, rtol=1e-6, atol=1e-6)
 
 

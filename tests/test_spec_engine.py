@@ -370,3 +370,44 @@ def test_mtp_on_a_model_without_an_mtp_layer_names_ngram(engine_model):
     with pytest.raises(UnsupportedChoiceError, match="ngram"):
         Engine(loaded, EngineConfig(kv_capacity=256), host=host, device=device,
                spec=SpecConfig(spec="mtp"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def builtin_bf16(builtin):
+    _, host, device = builtin
+    runtime = RuntimeConfig(dtype="bf16")
+    return load_model(BUILTIN_ARTIFACT, host=host, device=device, runtime=runtime), host, device
+
+
+def test_verify_rows_equal_one_token_decodes_bit_for_bit_in_bf16(builtin_bf16):
+    """Why greedy output stays the same in bf16: a round's rows are each computed exactly
+    as that token decoded alone (row-invariant GEMMs, `_decode_rows` attention)."""
+    from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
+    from ninfer_core.engine.sequence import Sequence
+
+    loaded, host, device = builtin_bf16
+    ids, extra = list(range(5, 45)), [50, 60, 70, 80, 90]
+    runs = []
+    for rows in (1, len(extra)):
+        runtime = build_runtime(loaded, host, device, RuntimeSpec.for_tokens(256))
+        seq = Sequence(ids + extra)
+        runtime.runner.run([(seq, len(ids))])
+        if rows == 1:
+            runs.append(torch.cat([runtime.runner.run([(seq, 1)]) for _ in extra]))
+        else:
+            runs.append(runtime.runner.run([(seq, rows)], all_tokens=True))
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("strategy", ["mtp", "ngram"])
+def test_greedy_output_is_the_same_in_bf16(builtin_bf16, prompts, strategy):
+    loaded, host, device = builtin_bf16
+
+    def run(spec):
+        engine = Engine(loaded, EngineConfig(kv_capacity=2048), host=host, device=device,
+                        spec=spec)  # fmt: skip
+        return [
+            r.token_ids for r in engine.generate([request(ids, 96) for ids in prompts.values()])
+        ]
+
+    assert run(SpecConfig(spec=strategy, draft_tokens=3)) == run(None)

@@ -173,8 +173,8 @@ class TorchOps(KernelOps):
             k, v, rotation = gather_heads(kv_store, layer, plan["tables"][i], length, q.dtype)
             if rotation is not None:  # (qH)·(kH) = q·k; the output comes back by Hᵀ
                 qi = rotation.forward(qi).to(q.dtype)
-            if qlen == 1:
-                out = _decode_one(qi, k, v, scale, valid=ctx)
+            if qlen <= FEW_ROWS:
+                out = _decode_rows(qi, k, v, scale, valid=ctx)
             else:
                 mask = plan["masks"][i]
                 out = F.scaled_dot_product_attention(
@@ -227,29 +227,43 @@ def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: 
     return k.to(dtype), v.to(dtype), rotation
 
 
-def _decode_one(
+#: Query rows a sequence may run in one step and still attend the way a one-token decode
+#: does: a speculative round verifies up to 1 + 8 drafts (`spec.config.MAX_DRAFT_TOKENS`).
+FEW_ROWS = 9
+
+
+def _decode_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, valid: int
 ) -> torch.Tensor:
-    """One query token over the first `valid` keys, grouped heads as a batched matmul,
-    all in fp32.
+    """A few query tokens (the last `Q` of `valid`), each over the keys up to its own
+    position, grouped heads as two batched matmuls, all in fp32.
 
-    CPU SDPA spends most of its time on setup for a single query row on some CPUs; two
-    small matmuls are as exact. They run in fp32 whatever the model's dtype: for these
-    shapes (a few query rows per KV head) the CPU's bf16 matmul costs about twice an
-    fp32 one plus the casts (measured 72 against 36+12 us a layer at 320 keys, one
-    thread), and fp32 keeps every score and probability unrounded. Keys past `valid`
-    (the padding `decode_length` adds) get probability exactly 0; they must be finite,
-    which the zeroed pools guarantee.
+    One decode token is the case Q = 1. CPU SDPA spends most of its time on setup for a
+    single query row on some CPUs; two small matmuls are as exact. They run in fp32
+    whatever the model's dtype: for these shapes (a few query rows per KV head) the CPU's
+    bf16 matmul costs about twice an fp32 one plus the casts (measured 72 against 36+12 us
+    a layer at 320 keys, one thread), and fp32 keeps every score and probability
+    unrounded. A speculative round's rows take this path too, so each row's output is
+    bit for bit what the same token decoded alone gives (checked on CPU): greedy output
+    does not change with speculation even in bf16. Keys past a row's position (its later
+    rows, and the padding `decode_length` adds) get probability exactly 0; they must be
+    finite, which the zeroed pools guarantee.
     """
-    # q: [1, H, D], k/v: [Hkv, L, D] with L >= valid -> [1, H, D]
-    h, d = q.shape[1], q.shape[2]
-    hkv = k.shape[0]
-    qg = q[0].view(hkv, h // hkv, d).float()  # [Hkv, G, D]
-    scores = torch.matmul(qg, k.float().transpose(1, 2)).mul_(scale)  # [Hkv, G, L]
-    if valid < scores.shape[-1]:
-        scores[..., valid:] = float("-inf")
-    out = torch.matmul(scores.softmax(dim=-1), v.float())  # [Hkv, G, D]
-    return out.reshape(1, h, d).to(q.dtype)
+    # q: [Q, H, D], k/v: [Hkv, L, D] with L >= valid -> [Q, H, D]
+    rows, h, d = q.shape
+    hkv, length = k.shape[0], k.shape[1]
+    g = h // hkv
+    qg = q.view(rows, hkv, g, d).transpose(0, 1).reshape(hkv, rows * g, d).float()
+    scores = torch.matmul(qg, k.float().transpose(1, 2)).mul_(scale)  # [Hkv, Q*G, L]
+    if rows == 1:
+        if valid < length:
+            scores[..., valid:] = float("-inf")
+    else:
+        ends = torch.arange(valid - rows + 1, valid + 1, device=q.device).repeat_interleave(g)
+        beyond = torch.arange(length, device=q.device)[None, :] >= ends[:, None]  # [Q*G, L]
+        scores.masked_fill_(beyond, float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), v.float())  # [Hkv, Q*G, D]
+    return out.view(hkv, rows, g, d).transpose(0, 1).reshape(rows, h, d).to(q.dtype)
 
 
 def int4_format_supported(

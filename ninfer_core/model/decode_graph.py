@@ -16,7 +16,7 @@ capturable:
 - No host reads and no branches on values; the kernel ops (`linear`, `rms_norm`,
   `apply_rope`, `silu_and_mul`) are the same the eager forward calls.
 
-The attention is the reference's math (`_decode_one`): fp32 scores, softmax and sum.
+The attention is the reference's math (`_decode_rows`): fp32 scores, softmax and sum.
 """
 
 from __future__ import annotations
