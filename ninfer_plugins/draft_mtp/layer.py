@@ -74,21 +74,27 @@ class MTPLayer(nn.Module):
                 module._parameters.pop(name, None)
                 setattr(module, name, packed)
 
+    def embed_input(self, embeds: torch.Tensor) -> torch.Tensor:
+        """embeds: [T, hidden] (the target's embedding of token t + 1) -> the normed
+        embedding `forward` reads, [T, hidden] in the compute dtype. Apart from `forward`:
+        it depends on the token alone, so a drafter may keep it as a table."""
+        return self.pre_fc_norm_embedding(embeds)
+
     def forward(
         self,
-        next_embeds: torch.Tensor,
+        embed_input: torch.Tensor,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_store: KVStore,
     ) -> torch.Tensor:
-        """next_embeds: [T, hidden] (the target's embedding of token t + 1), hidden:
+        """embed_input: [T, hidden] (`embed_input` of token t + 1's embedding), hidden:
         [T, hidden] (the target's final-normed hidden at t, or this layer's own output),
         cos, sin: [T, D/2] at t -> [T, hidden] in the compute dtype, after the final norm.
         Writes the T entries' K/V at `meta.slot_mapping` (`ops.prepare(meta)` done)."""
-        e = self.pre_fc_norm_embedding(next_embeds)
-        x = self.ops.linear(torch.cat((e, self.pre_fc_norm_hidden(hidden)), dim=-1), self.fc)
+        e_h = torch.cat((embed_input, self.pre_fc_norm_hidden(hidden)), dim=-1)  # [T, 2 hidden]
+        x = self.ops.linear(e_h, self.fc)
         # The residual stream in fp32, as in `DenseDecoder`: the layer adds to it unrounded.
         x = self.layer(x.float(), cos, sin, kv_store, meta)
         return self.norm(x)
