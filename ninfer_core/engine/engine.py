@@ -401,7 +401,6 @@ class Engine(StepThread):
         returns the drafts accepted. A failure ends only this request."""
         seq = live.seq
         if any(unusable_rows(rows)):
-            seq.num_computed_tokens = round_.base
             self._fail(live, "the model's logits for this request hold no finite value", events)
             return 0
         try:

@@ -18,7 +18,6 @@ no extra reservation, and a round never waits for pages.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,11 +30,9 @@ from ninfer_core.plugin_types import Drafter
 from ninfer_core.sampling import Sampler
 from ninfer_core.sampling.sampler import draw
 from ninfer_core.spec.config import SpecConfig
-from ninfer_core.spec.rejection import accept_row
-from ninfer_core.spec.stats import SpecCounters, SpecUsage
+from ninfer_core.spec.rejection import accept_row, greedy_round, speculative_round
+from ninfer_core.spec.stats import SpecUsage
 from ninfer_core.spec.types import DraftInput, DraftOptions, DraftTarget
-
-log = logging.getLogger("ninfer_core.engine.engine")
 
 
 def build_drafter(
@@ -136,22 +133,30 @@ def verify(
 
 
 class RowChooser:
-    """How one request's verification rows become tokens (greedy, or rejection sampling)."""
+    """How one request's verification rows become tokens (greedy, or rejection sampling).
+
+    Without penalties a row's distribution does not depend on which drafts before it were
+    accepted, so the whole round is decided at once (`greedy_round`, `speculative_round`:
+    one argmax or one softmax for every row). With penalties, each row is penalised over
+    the tokens accepted so far and decided as it comes (`accept_row`)."""
 
     def __init__(self, sampler: Sampler, live, round_: Round, rows: torch.Tensor) -> None:
         self.sampler, self.live, self.round, self.rows = sampler, live, round_, rows
-        params = live.request.params
-        self.params = params
-        # Greedy without penalties: every row's argmax at once, no per-row work.
-        self.targets = (
-            rows.argmax(dim=-1).tolist() if params.greedy and not params.has_penalties else None
-        )
+        params = self.params = live.request.params
+        #: The round's tokens when decided at once (accepted drafts, then one more).
+        self.tokens: list[int] | None = None
+        if params.greedy and not params.has_penalties:
+            self.tokens = greedy_round(rows.argmax(dim=-1).tolist(), round_.drafts)
+        elif not params.has_penalties:
+            m, history = rows.shape[0], live.history
+            p = sampler.probabilities(rows, [params] * m, [history] * m)
+            generator = sampler.generator_for(params, history, p.device)
+            self.tokens = speculative_round(p, round_.drafts, round_.probs, generator)
 
     def __call__(self, i: int) -> tuple[int, bool]:
+        if self.tokens is not None:
+            return self.tokens[i], i < len(self.tokens) - 1
         drafts = self.round.drafts
-        if self.targets is not None:
-            token = self.targets[i]
-            return token, i < len(drafts) and token == drafts[i]
         # The row's distribution after penalties over the tokens accepted so far (the
         # history grows as tokens are accepted), exactly what `Sampler.sample` draws from.
         live = self.live
@@ -222,7 +227,6 @@ def apply_proposals(
 __all__ = [
     "Round",
     "RowChooser",
-    "SpecCounters",
     "apply_proposals",
     "build_drafter",
     "draft_input",

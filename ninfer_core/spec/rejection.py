@@ -113,8 +113,8 @@ def speculative_round(
 
     p_rows: [k+1, V] fp32, the target's distribution at each row; q_rows: [k, V] or None
     (one-hot drafts). Only for rows whose distributions do not depend on which earlier
-    tokens were accepted (no penalties over the growing history): the engine, which has
-    such penalties, calls `accept_row` row by row instead. Stops at the first rejection,
+    tokens were accepted (no penalties over the growing history); with penalties the
+    engine calls `accept_row` row by row (`engine/speculation.py`). Stops at the first rejection,
     whose replacement is the last token; when every draft is kept, the bonus token is
     drawn from row k.
     """

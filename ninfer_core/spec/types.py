@@ -18,9 +18,8 @@ indexed by the same block table, so it needs no allocator: the engine has alread
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -96,9 +95,3 @@ class DraftTarget:
     block_size: int
     num_blocks: int
     device: torch.device
-    #: Free-form facts a strategy may report (e.g. the artifact path for messages).
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def path(self) -> Path:
-        return self.artifact.path

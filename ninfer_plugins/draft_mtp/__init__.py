@@ -58,7 +58,7 @@ class MTPStrategy:
 
             if not has_draft_head(target.artifact):
                 return Support.no(
-                    f"--lm-head-draft: {target.path} has no reduced draft head; "
+                    f"--lm-head-draft: {target.artifact.path} has no reduced draft head; "
                     "write one with `ninfer draft-head build`"
                 )
         return Support.yes()
