@@ -54,7 +54,7 @@ def test_serve_takes_the_choice_s_id_unless_one_is_given(monkeypatch, capsys):
 
 @needs_smollm2
 def test_generate_without_a_model_answers_with_smollm2(capsys):
-    args = ["generate", "--prompt", "What is the capital of France?", "--greedy"]
+    args = ["generate", "--prompt", "Name the capital city of France.", "--greedy"]
     assert main([*args, "--max-new", "16"]) == 0
     out, err = capsys.readouterr()
     assert "Paris" in out

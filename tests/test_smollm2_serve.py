@@ -29,7 +29,7 @@ from ninfer_core.engine.config import EngineConfig  # noqa: E402
 from ninfer_core.plugin_host import create_host  # noqa: E402
 from ninfer_core.serve.config import ServeConfig  # noqa: E402
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Name the capital city of France."}]
 MAX_TOKENS = 24
 
 
