@@ -36,12 +36,19 @@ if TYPE_CHECKING:
     from ninfer_core.kv.hadamard import HeadRotation
     from ninfer_core.kv.layout import KVLayout
     from ninfer_core.kv.state import StepStates
+    from ninfer_core.memory.planner import PackedBytes
     from ninfer_core.model.attention_meta import AttentionMetadata
     from ninfer_core.model.caches import ModelCaches
     from ninfer_core.model.config import ModelConfig
     from ninfer_core.model.weights import WeightSlot
     from ninfer_core.serve.errors import ApiError
-    from ninfer_core.spec.types import DraftInput, DraftOptions, DraftTarget, Proposal
+    from ninfer_core.spec.types import (
+        DraftInput,
+        DraftMemory,
+        DraftOptions,
+        DraftTarget,
+        Proposal,
+    )
     from ninfer_core.support import Support
 
 
@@ -466,7 +473,8 @@ class DraftStrategy(Plugin, Protocol):
     `supports(device)` answers for the hardware; `supports_model` for the model, at
     startup, before any request: a strategy that needs weights the artifact lacks (MTP
     layers, a reduced draft head) refuses there with the reason, and the host names the
-    strategies that would run.
+    strategies that would run. Before either, `memory` says what its drafter will hold, so
+    the memory plan that sizes the KV pool counts it.
     """
 
     def supports_model(self, target: DraftTarget, options: DraftOptions) -> Support:
@@ -475,6 +483,25 @@ class DraftStrategy(Plugin, Protocol):
 
     def create(self, target: DraftTarget, options: DraftOptions) -> Drafter:
         """The drafter for one runtime (called after `supports_model` said yes)."""
+        ...
+
+    def memory(
+        self,
+        artifact: Artifact,
+        config: ModelConfig,
+        options: DraftOptions,
+        dtype: torch.dtype,
+        codec: KVCodec,
+        *,
+        packed_bytes: PackedBytes | None = None,
+    ) -> DraftMemory:
+        """What `create` would make will hold on the device, from `artifact`'s headers
+        alone (shapes, formats, object sizes; nothing is loaded): its own weights held in
+        `dtype` (`packed_bytes`: what the kernel backend packs a `(format, [rows, cols])`
+        projection into, None where it packs nothing), fixed tables, and per-token K/V in
+        `codec`. The startup memory plan (`ninfer plan`, `ninfer-serve`) counts it before
+        the target loads; an artifact that lacks what the strategy needs raises an
+        `NInferError` saying what, as `supports_model` would refuse."""
         ...
 
 

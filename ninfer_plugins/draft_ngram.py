@@ -22,6 +22,7 @@ copies its context into the buffer, about 2.5 ms once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,11 +31,19 @@ from ninfer_core.device import DeviceInfo
 from ninfer_core.spec.types import (
     NO_PROPOSAL,
     DraftInput,
+    DraftMemory,
     DraftOptions,
     DraftTarget,
     Proposal,
 )
 from ninfer_core.support import Support
+
+if TYPE_CHECKING:
+    import torch
+
+    from ninfer_core.memory.planner import PackedBytes
+    from ninfer_core.model.config import ModelConfig
+    from ninfer_core.plugin_types import Artifact, KVCodec
 
 #: The longest suffix matched. A 5-token match already pins a repeated span down; longer
 #: ones rarely change which occurrence wins, and each extra token costs one more filter.
@@ -166,6 +175,22 @@ class NgramStrategy:
 
     def create(self, target: DraftTarget, options: DraftOptions) -> NgramDrafter:
         return NgramDrafter()
+
+    def memory(
+        self,
+        artifact: Artifact,
+        config: ModelConfig,
+        options: DraftOptions,
+        dtype: torch.dtype,
+        codec: KVCodec,
+        *,
+        packed_bytes: PackedBytes | None = None,
+    ) -> DraftMemory:
+        """Nothing on the device: no weights, no K/V. It keeps each running sequence's
+        tokens in host memory (int32, capacity at most doubled: 8 bytes a token of
+        context at most, freed at `release`), against the target's K/V of thousands of
+        bytes a token (57,600 for Qwen3-8B in rk8v4), so the plan's headroom covers it."""
+        return DraftMemory()
 
     def __repr__(self) -> str:
         return "NgramStrategy()"

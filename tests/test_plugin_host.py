@@ -14,6 +14,7 @@ from ninfer_core import ENTRY_POINT_GROUP, hookimpl, hookspec, hookspecs
 from ninfer_core.errors import DuplicateNameError, UnknownNameError
 from ninfer_core.plugin_host import EXTENSION_POINTS, create_host
 from ninfer_core.registry import Registry
+from ninfer_core.spec.types import DraftMemory
 from ninfer_core.support import Support
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,6 +281,9 @@ def test_draft_strategies_and_frontends_fold_into_their_registries():
 
         def create(self, target, options):
             raise NotImplementedError  # never built: this test only registers
+
+        def memory(self, artifact, config, options, dtype, codec, *, packed_bytes=None):
+            return DraftMemory()  # holds nothing on the device
 
     @hookimpl
     def register_draft_strategies():

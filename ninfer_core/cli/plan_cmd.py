@@ -32,6 +32,9 @@ from ninfer_core.memory.planner import (
 from ninfer_core.memory.table import render_json, render_table
 from ninfer_core.memory.workspace import estimate_workspace
 from ninfer_core.plugin_host import PluginHost
+from ninfer_core.plugin_types import Artifact, KVCodec
+from ninfer_core.spec.config import SpecConfig
+from ninfer_core.spec.types import DraftMemory
 
 #: EngineConfig fields that do not change the memory plan (kv_capacity: MemoryConfig's).
 ENGINE_SKIP = ("max_pending_requests", "pending_timeout_ms", "kv_capacity", "prefix_cache")
@@ -45,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
     add_config_arguments(p, RuntimeConfig, skip=("block_size", "max_context", "threads"))
     add_config_arguments(p, EngineConfig, skip=ENGINE_SKIP)
+    add_config_arguments(p, SpecConfig)
     add_config_arguments(p, MemoryConfig)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
@@ -88,8 +92,44 @@ def _packed_bytes(
     )
 
 
-def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
-    """The plan for the parsed options, and what it was made for (model, device)."""
+def _draft_memory(
+    host: PluginHost,
+    device: DeviceInfo,
+    spec: SpecConfig,
+    artifact: Artifact,
+    config: Any,
+    dtype: torch.dtype,
+    codec: KVCodec,
+    packed: PackedBytes | None,
+) -> tuple[str, DraftMemory | None]:
+    """The `--spec` strategy's name and what its drafter will hold ("", None: no
+    speculation), asked of the strategy the engine will build (`DraftStrategy.memory`)
+    from the headers alone. A name no plugin registers, a strategy the device refuses, or
+    one whose weights the artifact lacks fails here, before anything loads."""
+    from ninfer_core.selection import choose
+
+    if not spec.enabled:
+        return "", None
+    name = choose(host, "draft_strategies", device, spec.spec).chosen
+    strategy = host.draft_strategies.get(name)
+    return name, strategy.memory(artifact, config, spec.options, dtype, codec, packed_bytes=packed)
+
+
+def _spec_config(ns: argparse.Namespace) -> SpecConfig:
+    try:
+        return config_from_args(SpecConfig, ns)
+    except ValueError as exc:
+        raise NInferError(str(exc)) from None
+
+
+def make_plan(
+    ns: argparse.Namespace, spec: SpecConfig | None = None
+) -> tuple[MemoryPlan, dict[str, Any]]:
+    """The plan for the parsed options, and what it was made for (model, device).
+
+    `spec`: speculative decoding as the caller configured it (`ninfer-serve` passes its
+    own); None: from `ns` (`--spec`, `--draft-tokens`, `--lm-head-draft`), off if absent.
+    """
     from ninfer_core.builtin_model import default_model
     from ninfer_core.device import probe_device, simulated_device
     from ninfer_core.loading import DTYPES, compute_dtype, family_and_config, open_artifact
@@ -105,6 +145,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
         engine = config_from_args(EngineConfig, argparse.Namespace(**shared))
     except ValueError as exc:
         raise NInferError(str(exc)) from None
+    spec = _spec_config(ns) if spec is None else spec
     capacity = parse_kv_capacity(memory_cfg.kv_capacity)
     device = simulated_device(runtime.device_spec) if runtime.device_spec else probe_device()
     host = create_host()
@@ -119,6 +160,7 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
     # The linear kernel the load would choose for these weights (formats from the headers).
     workload = workload_for(artifact, dtype, codec_name)
     packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel, workload)
+    strategy, draft = _draft_memory(host, device, spec, artifact, config, dtype, codec, packed)
     context = engine.context_for(config.max_position_embeddings)
     if context < engine.max_context:
         # Sized and served for what the model can hold, never for what was asked.
@@ -151,6 +193,8 @@ def make_plan(ns: argparse.Namespace) -> tuple[MemoryPlan, dict[str, Any]]:
         block_size=engine.block_size,
         headroom_fraction=memory_cfg.memory_headroom,
         caches=caches_for(family, config),
+        draft=draft,
+        draft_strategy=strategy,
     )
     about = {"model": str(path), "architecture": config.architecture}
     return plan, about

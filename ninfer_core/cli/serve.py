@@ -88,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.model is None:
             ns.model, serve = choose_default_model(serve)
-        # The plan comes first, from the artifact's headers: an impossible --kv-capacity or
-        # a refused --kv-dtype fails here, before anything is loaded or served.
-        plan, about = make_plan(ns)
+        # The plan comes first, from the artifact's headers: an impossible --kv-capacity, a
+        # refused --kv-dtype or --spec, or a drafter that does not fit beside the target
+        # fails here, before anything is loaded or served.
+        plan, about = make_plan(ns, spec)
         print(f"memory plan for {about['model']} on {plan.memory.device}")
         print(render_table(plan), flush=True)
         engine = dataclasses.replace(engine, kv_capacity=plan.pool_tokens)

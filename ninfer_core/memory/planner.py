@@ -5,7 +5,10 @@ artifact's shapes, formats and object sizes and the kernel backend's packing, ne
 data), the KV codec's bytes per token of each layer that keeps paged K/V and the state
 bytes of each layer that keeps a per-sequence state (times `--max-concurrency`: every
 running sequence holds one), both from the family's `layer_caches`, the activation workspace
-(`workspace.py`) and the memory free on the device. So `ninfer plan` can answer for a
+(`workspace.py`), what a speculative drafter will hold (`DraftStrategy.memory`: its own
+weights, and K/V per token of the pool's pages) and the memory free on the device. Without
+the drafter's share a plan said a configuration fits that `--spec mtp` then pushed past
+the card's memory after startup. So `ninfer plan` can answer for a
 card this machine does not have, and `ninfer-serve` can refuse a configuration that will
 not fit before it loads a single weight.
 
@@ -21,9 +24,9 @@ counts the CPU runtime's kernel caches (`cpu_runtime_bytes`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -36,6 +39,10 @@ from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_types import Artifact, ModelFamily
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.recipes import source_format
+from ninfer_core.spec.types import DraftMemory
+
+if TYPE_CHECKING:
+    from ninfer_core.model.weights import WeightSlot
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -180,10 +187,17 @@ def _params(
     artifact: Artifact | None,
     family: ModelFamily | None = None,
 ) -> list[_Param]:
-    """Every parameter with its fused shape; formats and stored sizes from the artifact
-    (a `.ninfer` names each tensor's format and object size), else dense `dtype`."""
+    """Every parameter of the model with its fused shape (see `_slot_params`)."""
+    return _slot_params(_slots(config, artifact, family), dtype, artifact)
+
+
+def _slot_params(
+    slots: Sequence[WeightSlot], dtype: torch.dtype, artifact: Artifact | None
+) -> list[_Param]:
+    """The parameters `slots` fill, each with its fused shape; formats and stored sizes
+    from the artifact (a `.ninfer` names each tensor's format and object size), else
+    dense `dtype`."""
     dense = source_format(dtype)
-    slots = _slots(config, artifact, family)
     # Optional members of the `Artifact` contract: declared by every artifact, None when
     # the artifact has nothing to say (every tensor dense, sizes from shapes).
     fmt_of = artifact.tensor_format if artifact is not None else None
@@ -229,15 +243,43 @@ def weights_bytes(
     """
     total = 0
     for param in _params(config, dtype, artifact, family):
-        packed = None
         tied_head = param.name == "embed_tokens" and config.tie_word_embeddings
         projection = tied_head or param.name.rpartition(".")[2] in PACKED_PARAMS
-        if packed_bytes is not None and projection and len(param.shape) == 2:
-            packed = packed_bytes(param.fmt, (param.shape[0], param.shape[1]))
+        packed = _packed(param, packed_bytes) if projection else None
         if tied_head:
             total += param.stored + (packed or 0)  # the lookup keeps the loaded matrix
         else:
             total += param.stored if packed is None else packed
+    return total
+
+
+def _packed(param: _Param, packed_bytes: PackedBytes | None) -> int | None:
+    """Bytes the backend packs the matrix `param` into, or None: it keeps it as loaded."""
+    if packed_bytes is None or len(param.shape) != 2:
+        return None
+    return packed_bytes(param.fmt, (param.shape[0], param.shape[1]))
+
+
+def slots_bytes(
+    slots: Sequence[WeightSlot],
+    dtype: torch.dtype,
+    *,
+    artifact: Artifact | None = None,
+    packed_bytes: PackedBytes | None = None,
+    packed: Collection[str] = PACKED_PARAMS,
+) -> int:
+    """Bytes the runtime holds for the tensors `slots` name, by the rules `weights_bytes`
+    applies to the model's: for a plugin's own weights (an MTP layer, a reduced draft
+    head), sized from the artifact's headers before anything loads.
+
+    `slots` (already checked against `artifact`) say which tensors fill which parameter;
+    a parameter whose last name part is in `packed` is a projection the plugin hands to
+    the backend's `pack_linear`, and costs what `packed_bytes` says it packs into.
+    """
+    total = 0
+    for param in _slot_params(slots, dtype, artifact):
+        size = _packed(param, packed_bytes) if param.name.rpartition(".")[2] in packed else None
+        total += param.stored if size is None else size
     return total
 
 
@@ -333,10 +375,28 @@ class MemoryPlan:
     runtime_bytes: int = 0
     #: Why `--kv-capacity auto` chose its size ("" otherwise).
     auto_reason: str = ""
+    #: The draft strategy (`--spec`) and what its drafter holds; "" and None: no speculation.
+    draft_strategy: str = ""
+    draft: DraftMemory | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """The target's K/V of one token (the drafter's are `draft_kv_bytes_per_token`)."""
         return sum(layer.bytes_per_token for layer in self.kv_layers)
+
+    @property
+    def draft_bytes(self) -> int:
+        """The drafter's weights and tables: held whatever the pool's size."""
+        return self.draft.fixed_bytes if self.draft else 0
+
+    @property
+    def draft_kv_bytes_per_token(self) -> int:
+        return self.draft.kv_bytes_per_token if self.draft else 0
+
+    @property
+    def draft_kv_bytes(self) -> int:
+        """The drafter's K/V: its bytes per token over every token of the pool's pages."""
+        return self.pool_tokens * self.draft_kv_bytes_per_token
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -359,7 +419,7 @@ class MemoryPlan:
     def used_bytes(self) -> int:
         return (
             self.weights_bytes + self.pool_bytes + self.state_bytes + self.workspace.nbytes
-            + self.runtime_bytes
+            + self.runtime_bytes + self.draft_bytes + self.draft_kv_bytes
         )  # fmt: skip
 
     @property
@@ -370,7 +430,8 @@ class MemoryPlan:
         out = asdict(self)
         out["workspace"] = self.workspace.to_json()
         for name in ("kv_bytes_per_token", "pool_tokens", "pool_bytes", "state_bytes_per_sequence",
-                     "state_bytes", "free_after_bytes"):  # fmt: skip
+                     "state_bytes", "draft_bytes", "draft_kv_bytes_per_token", "draft_kv_bytes",
+                     "free_after_bytes"):  # fmt: skip
             out[name] = getattr(self, name)
         return out
 
@@ -394,13 +455,18 @@ def plan_memory(
     headroom_fraction: float = DEFAULT_HEADROOM,
     headroom_floor: int = HEADROOM_FLOOR,
     caches: ModelCaches | None = None,
+    draft: DraftMemory | None = None,
+    draft_strategy: str = "",
 ) -> MemoryPlan:
     """Size the KV pool and check that everything fits; raise a `MemoryPlanError` if not.
 
     `kv_capacity`: tokens (rounded up to whole pages of `block_size`), `"auto"` (the
     largest whole number of pages that fits), or None (`max_context`). `caches`: what
     each layer keeps, as the model's family declares (None: paged K/V in every layer);
-    the per-sequence states of `max_concurrency` sequences come off the top.
+    the per-sequence states of `max_concurrency` sequences come off the top. `draft`:
+    what the drafter of `draft_strategy` holds (`DraftStrategy.memory`; None: no
+    speculation): its weights come off the top too, and its per-token K/V, kept in as
+    many pages as the target's pool, add to every page's cost.
     """
     if min(max_context, max_concurrency, block_size) <= 0:
         raise MemoryPlanError("--max-context, --max-concurrency and --block-size must be positive")
@@ -412,11 +478,14 @@ def plan_memory(
             f"--kv-capacity {capacity} is smaller than --max-context {max_context}"
         )
     layers = tuple(kv_layers(caches or dense_caches(model), codec))
-    page_bytes = block_size * sum(layer.bytes_per_token for layer in layers)
+    draft_per_token = draft.kv_bytes_per_token if draft else 0
+    page_bytes = block_size * (sum(layer.bytes_per_token for layer in layers) + draft_per_token)
     states = max_concurrency * sum(layer.bytes_per_sequence for layer in layers)
     headroom = max(int(memory.free * headroom_fraction), headroom_floor)
     runtime = cpu_runtime_bytes() if memory.host_ram else 0
-    left = memory.free - weights_bytes - states - workspace.nbytes - runtime - headroom
+    drafter = draft.fixed_bytes if draft else 0
+    fixed = weights_bytes + drafter + states + workspace.nbytes + runtime + headroom
+    left = memory.free - fixed
     context_pages = -(-max_context // block_size)
     if left < 0:
         largest = 0
@@ -425,6 +494,7 @@ def plan_memory(
     else:
         largest = left // page_bytes
     spent = f"weights {_gib(weights_bytes)}, workspace {_gib(workspace.nbytes)}"
+    spent += f", draft weights {_gib(drafter)}" if drafter else ""
     spent += f", sequence states {_gib(states)}" if states else ""
     spent += f", CPU runtime {_gib(runtime)}" if runtime else ""
     spent += f" and headroom {_gib(headroom)} GiB"
@@ -445,12 +515,13 @@ def plan_memory(
             )
     else:
         pages = -(-capacity // block_size)
-        need = memory.free - left + pages * page_bytes
+        need = fixed + pages * page_bytes
         if need > memory.free:
             below = f", less than --max-context {max_context}" if largest < context_pages else ""
+            pool = "KV pool" + (" with the drafter's K/V" if draft_per_token else "")
             raise CapacityDoesNotFitError(
                 f"--kv-capacity {capacity} needs {_gib(need)} GiB, {_gib(memory.free)} GiB free; "
-                f"the largest that fits is {largest * block_size} tokens{below} (KV pool "
+                f"the largest that fits is {largest * block_size} tokens{below} ({pool} "
                 f"{_gib(pages * page_bytes)} GiB, {spent}; free memory from {memory.source})",
                 largest * block_size,
             )
@@ -471,6 +542,8 @@ def plan_memory(
         largest_fit_tokens=largest * block_size,
         runtime_bytes=runtime,
         auto_reason=reason,
+        draft_strategy=draft_strategy,
+        draft=draft,
     )
 
 

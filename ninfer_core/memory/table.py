@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ninfer_core.memory.planner import GIB, MemoryPlan
+from ninfer_core.memory.planner import GIB, MIB, MemoryPlan
 
 
 def kv_summary(plan: MemoryPlan) -> str:
@@ -42,6 +42,7 @@ def rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
             f"{plan.pool_tokens} tokens = {plan.pool_pages} pages x {plan.block_size} ({chosen})",
         ),
     ]
+    out += draft_rows(plan)
     if plan.state_bytes:
         out.append((
             "sequence states",
@@ -64,12 +65,36 @@ def rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
     return out
 
 
+def _amount(n: int) -> str:
+    """`0.7 MiB` below a GiB (the table's column rounds it to 0.00), else `1.50 GiB`."""
+    return f"{n / MIB:.1f} MiB" if n < GIB else f"{n / GIB:.2f} GiB"
+
+
+def draft_rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
+    """The drafter's lines (`--spec`): its weights and tables, then its K/V over the pool's
+    pages; one line for a drafter that holds nothing on the device."""
+    draft = plan.draft
+    if draft is None:
+        return []
+    name = f"--spec {plan.draft_strategy}"
+    if not (draft.fixed_bytes or draft.kv_bytes_per_token):
+        return [("drafter", 0, f"{name}: no weights, no per-token K/V")]
+    held = f"{name}: own weights {_amount(draft.weights_bytes)}"
+    if draft.table_bytes:
+        held += f" + tables {_amount(draft.table_bytes)}"
+    kv = f"{plan.pool_tokens} tokens x {draft.kv_bytes_per_token} bytes, in the KV pool's pages"
+    if plan.draft_kv_bytes < GIB:
+        kv += f" ({_amount(plan.draft_kv_bytes)})"
+    return [("draft weights", plan.draft_bytes, held), ("draft K/V", plan.draft_kv_bytes, kv)]
+
+
 def render_table(plan: MemoryPlan) -> str:
     """The plan as aligned lines: a header, then one row per use of memory, in GiB."""
     lines = [
         f"KV codec {kv_summary(plan)}",
         f"max context {plan.max_context} tokens, {plan.max_concurrency} sequences at once; "
-        f"the largest KV pool that fits is {plan.largest_fit_tokens} tokens",
+        f"the largest KV pool that fits is {plan.largest_fit_tokens} tokens"
+        + (" (with the drafter's K/V)" if plan.draft_kv_bytes_per_token else ""),
         "",
     ]
     table = rows(plan)

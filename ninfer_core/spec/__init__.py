@@ -1,7 +1,8 @@
 """Speculative decoding: drafts proposed by a `DraftStrategy` plugin, verified by the target.
 
 - `types`: what the engine hands a drafter each step (`DraftInput`), what it gets back
-  (`Proposal`), and what a strategy sees of the target model (`DraftTarget`).
+  (`Proposal`), what a strategy sees of the target model (`DraftTarget`), and what its
+  drafter will hold, for the memory plan (`DraftMemory`).
 - `config`: `--spec`, `--draft-tokens`, `--lm-head-draft` (`SpecConfig`).
 - `rejection`: the acceptance rule — greedy prefix match, and speculative rejection
   sampling that leaves the output distribution exactly the target's.

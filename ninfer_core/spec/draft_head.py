@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.plugin_types import Artifact, CausalLM
 from ninfer_core.quant.tensor import QuantizedTensor
+
+if TYPE_CHECKING:
+    from ninfer_core.memory.planner import PackedBytes
 
 #: The artifact component and tensor names of a reduced draft head.
 COMPONENT = "draft_head"
@@ -74,6 +77,29 @@ def draft_head_tensors(artifact: Artifact) -> AbstractContextManager[Artifact]:
     from ninfer_core.loading import with_components
 
     return with_components(artifact, {COMPONENT})
+
+
+def draft_head_bytes(
+    artifact: Artifact, dtype: torch.dtype, packed_bytes: PackedBytes | None = None
+) -> tuple[int, int]:
+    """(weight bytes, id map bytes) a `ReducedHead` of `artifact` holds, from its headers
+    alone, for the memory plan: the weight as the planner sizes the full head (cast to
+    `dtype` when dense, as stored when quantized, as `packed_bytes` says once packed), the
+    ids as int64. Raises `ModelLoadError` when the artifact has no reduced head."""
+    from ninfer_core.memory.planner import slots_bytes
+    from ninfer_core.model.weights import WeightSlot
+
+    with draft_head_tensors(artifact) as full:
+        if not {WEIGHT, TOKEN_IDS} <= set(full.tensor_names()):
+            raise ModelLoadError(
+                f"{artifact.path}: no reduced draft head; write one with `ninfer draft-head build`"
+            )
+        shape = tuple(full.tensor_shape(WEIGHT))
+        slot = WeightSlot(WEIGHT, "draft_head", 0, shape)
+        weight = slots_bytes(
+            [slot], dtype, artifact=full, packed_bytes=packed_bytes, packed={"draft_head"}
+        )
+    return weight, shape[0] * torch.int64.itemsize
 
 
 def _checked_ids(artifact: Artifact, rows: int, vocab: int) -> torch.Tensor:

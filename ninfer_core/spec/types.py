@@ -95,3 +95,27 @@ class DraftTarget:
     block_size: int
     num_blocks: int
     device: torch.device
+
+
+@dataclass(frozen=True, slots=True)
+class DraftMemory:
+    """What a strategy's drafter will hold on the device, answered before anything loads
+    (`DraftStrategy.memory`), so the startup memory plan counts it beside the target's.
+
+    The plan adds `fixed_bytes` to what it subtracts before sizing the KV pool, and
+    `kv_bytes_per_token` to the cost of every token of the pool: a drafter's per-token
+    state lives in pages of the target's geometry, as many pages as the target's pool.
+    """
+
+    #: Its own weights as loaded and packed (an MTP layer, a reduced head); the target's
+    #: embedding and head, which it shares, are the target's.
+    weights_bytes: int = 0
+    #: Other buffers of a fixed size it keeps for its lifetime (lookup tables, id maps).
+    table_bytes: int = 0
+    #: Its K/V (or other state) per token of the pool's pages, over all its layers.
+    kv_bytes_per_token: int = 0
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What it holds whatever the pool's size: weights and tables."""
+        return self.weights_bytes + self.table_bytes

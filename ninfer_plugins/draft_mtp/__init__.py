@@ -12,16 +12,21 @@ better than a guess from the context, for one layer's cost instead of the whole 
 
 from __future__ import annotations
 
+import torch
+
 from ninfer_core import hookimpl
 from ninfer_core.device import DeviceInfo
-from ninfer_core.errors import ModelLoadError
+from ninfer_core.errors import ModelLoadError, UnsupportedChoiceError
 from ninfer_core.kv.layout import KVLayout
+from ninfer_core.memory.planner import PackedBytes
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.plugin_types import Artifact, KVCodec
 from ninfer_core.spec.draft_head import DraftHead, FullHead
-from ninfer_core.spec.types import DraftOptions, DraftTarget
+from ninfer_core.spec.types import DraftMemory, DraftOptions, DraftTarget
 from ninfer_core.support import Support
-from ninfer_plugins.draft_mtp.drafter import MTPDrafter
+from ninfer_plugins.draft_mtp.drafter import MTPDrafter, embed_table_bytes
 from ninfer_plugins.draft_mtp.layer import MTPLayer
-from ninfer_plugins.draft_mtp.weights import checked_plan, mtp_tensors
+from ninfer_plugins.draft_mtp.weights import checked_plan, mtp_tensors, mtp_weights_bytes
 
 __all__ = ["MTPDrafter", "MTPLayer", "MTPStrategy", "register_draft_strategies"]
 
@@ -40,28 +45,43 @@ class MTPStrategy:
         return Support.yes()
 
     def supports_model(self, target: DraftTarget, options: DraftOptions) -> Support:
-        try:
-            with mtp_tensors(target.artifact) as tensors:
-                checked_plan(target.config, tensors)
-        except LookupError as exc:
-            return Support.no(f"{exc}; `--spec ngram` needs no weights")
-        except ModelLoadError as exc:
-            return Support.no(f"its MTP layer does not fit the model: {exc}")
+        problem = _artifact_problem(target.artifact, target.config, options)
+        if problem:
+            return Support.no(problem)
         lacking = [m for m in _TARGET_MEMBERS if getattr(target.model, m, None) is None]
         if lacking:
             return Support.no(
                 f"the model {type(target.model).__name__} does not expose "
                 f"{', '.join(lacking)}, which the MTP layer shares; `--spec ngram` needs no weights"
             )
-        if options.lm_head_draft:
-            from ninfer_core.spec.draft_head import has_draft_head
-
-            if not has_draft_head(target.artifact):
-                return Support.no(
-                    f"--lm-head-draft: {target.artifact.path} has no reduced draft head; "
-                    "write one with `ninfer draft-head build`"
-                )
         return Support.yes()
+
+    def memory(
+        self,
+        artifact: Artifact,
+        config: ModelConfig,
+        options: DraftOptions,
+        dtype: torch.dtype,
+        codec: KVCodec,
+        *,
+        packed_bytes: PackedBytes | None = None,
+    ) -> DraftMemory:
+        """The MTP layer's own weights (fc, norms, one decoder layer: embedding and head
+        are the target's), the normed-embedding table (`embed_table_bytes`), with
+        `--lm-head-draft` the reduced head and its id map, and one attention layer's K/V
+        per token in the target's codec (the drafter's one-layer pool)."""
+        problem = _artifact_problem(artifact, config, options)
+        if problem:
+            raise UnsupportedChoiceError(f"--spec {self.name}: {problem}")
+        weights = mtp_weights_bytes(config, artifact, dtype, packed_bytes)
+        tables = embed_table_bytes(config.vocab_size, config.hidden_size, dtype)
+        if options.lm_head_draft:
+            from ninfer_core.spec.draft_head import draft_head_bytes
+
+            head, ids = draft_head_bytes(artifact, dtype, packed_bytes)
+            weights, tables = weights + head, tables + ids
+        per_token = codec.bytes_per_token(1, config.num_kv_heads, config.head_dim)
+        return DraftMemory(weights_bytes=weights, table_bytes=tables, kv_bytes_per_token=per_token)
 
     def create(self, target: DraftTarget, options: DraftOptions) -> MTPDrafter:
         model = target.model
@@ -75,6 +95,27 @@ class MTPStrategy:
 
     def __repr__(self) -> str:
         return "MTPStrategy()"
+
+
+def _artifact_problem(artifact: Artifact, config: ModelConfig, options: DraftOptions) -> str:
+    """Why `artifact` cannot feed the drafter (no MTP layer, a misshapen one, no reduced
+    head for `--lm-head-draft`), or "": asked at planning and again at startup."""
+    try:
+        with mtp_tensors(artifact) as tensors:
+            checked_plan(config, tensors)
+    except LookupError as exc:
+        return f"{exc}; `--spec ngram` needs no weights"
+    except ModelLoadError as exc:
+        return f"its MTP layer does not fit the model: {exc}"
+    if options.lm_head_draft:
+        from ninfer_core.spec.draft_head import has_draft_head
+
+        if not has_draft_head(artifact):
+            return (
+                f"--lm-head-draft: {artifact.path} has no reduced draft head; "
+                "write one with `ninfer draft-head build`"
+            )
+    return ""
 
 
 def _head(target: DraftTarget, options: DraftOptions) -> DraftHead:

@@ -44,6 +44,14 @@ if TYPE_CHECKING:
 EMBED_TABLE_MAX_BYTES = 16 << 20
 
 
+def embed_table_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of the normed-embedding table a drafter keeps for a `vocab` x `hidden` model
+    computing in `dtype`, or 0 where it computes the rows per call instead: one rule for
+    the drafter and for the memory plan that counts it."""
+    nbytes = vocab * hidden * dtype.itemsize
+    return nbytes if nbytes <= EMBED_TABLE_MAX_BYTES else 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Span:
     """A sequence as `AttentionMetadata.build` reads it: `length` tokens, of which
@@ -95,7 +103,7 @@ class MTPDrafter:
         #: [vocab, hidden] in the compute dtype: every token's `layer.embed_input`, or None
         #: (larger than `EMBED_TABLE_MAX_BYTES`: computed per call).
         self.embed_table: torch.Tensor | None = None
-        if vocab * hidden * layer.dtype.itemsize <= EMBED_TABLE_MAX_BYTES:
+        if embed_table_bytes(vocab, hidden, layer.dtype):
             with torch.inference_mode():
                 ids = torch.arange(vocab, device=self.device)
                 self.embed_table = layer.embed_input(target.embed(ids))

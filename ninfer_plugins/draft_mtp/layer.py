@@ -24,7 +24,7 @@ from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.weights import load_weights
 from ninfer_core.plugin_types import Artifact
 from ninfer_core.quant.tensor import QuantizedTensor
-from ninfer_plugins.draft_mtp.weights import checked_plan, mtp_tensors
+from ninfer_plugins.draft_mtp.weights import PACKED, checked_plan, mtp_tensors
 
 if TYPE_CHECKING:
     from ninfer_core.model.attention_meta import AttentionMetadata
@@ -56,14 +56,9 @@ class MTPLayer(nn.Module):
 
     def pack_weights(self) -> None:
         """Hand each projection to the backend's `pack_linear` once, as `DenseDecoder` does."""
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        for module, name in (
-            (self, "fc"),
-            (attn, "qkv_proj"),
-            (attn, "o_proj"),
-            (mlp, "gate_up_proj"),
-            (mlp, "down_proj"),
-        ):
+        for param in PACKED:
+            path, _, name = param.rpartition(".")
+            module = self.get_submodule(path)
             w = getattr(module, name)
             # A quantized weight does not say the compute dtype; a dense one is in it.
             quantized = isinstance(w, QuantizedTensor)

@@ -18,7 +18,10 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import torch
+
 from ninfer_core.loading import with_components
+from ninfer_core.memory.planner import PackedBytes, slots_bytes
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.weights import WeightSlot, check_weights, layer_slots
 from ninfer_core.plugin_types import Artifact
@@ -64,6 +67,16 @@ def deepseek_names(config: ModelConfig) -> MTPNames:
 #: The `.ninfer` component holding the MTP layer.
 COMPONENT = "mtp"
 
+#: The `MTPLayer` parameters handed to the backend's `pack_linear` once loaded: what
+#: `MTPLayer.pack_weights` packs, and what the memory plan sizes as packed.
+PACKED = (
+    "fc",
+    "layer.self_attn.qkv_proj",
+    "layer.self_attn.o_proj",
+    "layer.mlp.gate_up_proj",
+    "layer.mlp.down_proj",
+)
+
 
 def mtp_tensors(artifact: Artifact) -> AbstractContextManager[Artifact]:
     """`artifact` with its MTP tensors listed and loadable, for a `with` block (a `.ninfer`
@@ -104,3 +117,20 @@ def checked_plan(config: ModelConfig, artifact: Artifact) -> tuple[MTPNames, lis
             f"{deepseek_names(config).fc!r} is among its tensors)"
         )
     return names, check_weights(config, artifact, mtp_plan(config, names))
+
+
+def mtp_weights_bytes(
+    config: ModelConfig,
+    artifact: Artifact,
+    dtype: torch.dtype,
+    packed_bytes: PackedBytes | None = None,
+) -> int:
+    """Bytes the loaded, packed `MTPLayer` holds, from the artifact's headers alone (the
+    planner's rules: a dense tensor cast to `dtype`, a quantized one as stored, a packed
+    projection as `packed_bytes` says). Raises as `checked_plan` does."""
+    with mtp_tensors(artifact) as full:
+        _, plan = checked_plan(config, full)
+        projections = {name.rpartition(".")[2] for name in PACKED}
+        return slots_bytes(
+            plan, dtype, artifact=full, packed_bytes=packed_bytes, packed=projections
+        )
