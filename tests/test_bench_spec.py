@@ -1,8 +1,10 @@
 """`ninfer bench spec` on the built-in model, 16 tokens, one prompt per class, k = 1 and 3:
-every class × strategy is reported, greedy ids equal the baseline's, the figures follow from
-the counters (and the counters from a fresh engine run apart), refusals are skipped with the
-model's reason, a mismatch is printed loudly, and the built-in JSON prompts are held-out
-transcripts of the model's own corpus. Timings are never asserted: only that they exist.
+every class × strategy is reported (MTP with and without a reduced head the bench builds
+itself from a two-file corpus), greedy ids equal the baseline's, the figures follow from
+the counters (and the counters from a fresh engine run apart), refusals (and a draft head
+that cannot be built) are skipped with the reason, a mismatch is printed loudly, and the
+built-in JSON prompts are held-out transcripts of the model's own corpus. Timings are never
+asserted: only that they exist.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ NEW = 16
 SMALL = ["--new", str(NEW), "--prompts", "1", "--draft-tokens", "1,3", "--runs", "1",
          "--threads", "1", "--dtype", "fp32"]  # fmt: skip
 CLASSES = ("code", "json", "prose")
+#: Rows of the reduced head the bench builds for the +lm-head rows, from `corpus`.
+HEAD_ROWS = 64
 
 
 def bench(*args: str) -> tuple[int, str, str]:
@@ -55,25 +59,48 @@ def bench(*args: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def report(one_torch_thread) -> dict:
-    code, out, _ = bench(*SMALL, "--strategies", "mtp,mtp+lm-head,ngram", "--json")
+def corpus(tmp_path_factory) -> Path:
+    """Two bundled code prompts as .py files: `mod1.py` ranks the rows, `mod0.py` falls in
+    the held-out tenth (by its path's hash), so both coverages are figures."""
+    from ninfer_core.bench.spec_prompts import CODE
+    from ninfer_core.draft_head_build import DEFAULT_HELDOUT, is_heldout
+
+    root = tmp_path_factory.mktemp("corpus")
+    for name, prompt in zip(("mod0.py", "mod1.py"), CODE, strict=False):
+        (root / name).write_text(prompt.code * 2)
+    assert is_heldout("mod0.py", DEFAULT_HELDOUT) and not is_heldout("mod1.py", DEFAULT_HELDOUT)
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(one_torch_thread, corpus) -> dict:
+    code, out, _ = bench(*SMALL, "--strategies", "mtp,mtp+lm-head,ngram",
+                         "--draft-head-corpus", str(corpus), "--draft-head-rows", str(HEAD_ROWS),
+                         "--draft-head-tokens", "4096", "--json")  # fmt: skip
     assert code == 0
     return json.loads(out)
 
 
 def test_every_class_and_strategy_is_reported(report):
     got = {(r["class"], r["strategy"], r["k"]) for r in report["rows"]}
-    assert got == {(c, s, k) for c in CLASSES for s in ("mtp", "ngram") for k in (1, 3)}
+    strategies = ("mtp", "mtp+lm-head", "ngram")
+    assert got == {(c, s, k) for c in CLASSES for s in strategies for k in (1, 3)}
     assert set(report["classes"]) == set(CLASSES)
     assert all(len(v["prompts"]) == 1 for v in report["classes"].values())
     assert report["threads"] == 1 and report["new_tokens"] == NEW and report["note"]
 
 
-def test_the_lm_head_rows_are_skipped_without_a_draft_head(report):
-    (skip,) = report["skipped"]
-    assert skip["strategy"] == "mtp+lm-head"
-    assert "no reduced draft head" in skip["reason"]
-    assert "--draft-head-model" in skip["reason"]
+def test_the_lm_head_rows_run_on_a_head_built_in_the_run(report, corpus):
+    """The built-in model has no reduced head: the bench builds one, and says from what."""
+    assert report["skipped"] == [] and report["draft_head_model"] is None
+    head = report["draft_head"]
+    assert head["source"] == "built" and head["path"] is None  # the temporary file is gone
+    assert (head["rows"], head["vocab"], head["corpus"]) == (HEAD_ROWS, 4096, str(corpus))
+    assert 0 < head["heldout_tokens"] < head["corpus_tokens"] <= 4096
+    assert 0 < head["coverage"] <= 1 and 0 < head["heldout_coverage"] <= 1
+    assert head["build_seconds"] > 0
+    lm_head = [r for r in report["rows"] if r["strategy"] == "mtp+lm-head"]
+    assert lm_head and all(r["rounds"] > 0 and r["identical"] for r in lm_head)
 
 
 def test_greedy_ids_are_the_baselines(report):
@@ -136,7 +163,9 @@ def test_the_table_prints_every_row(report):
     assert "CPU during the timed runs: this process" in text
     for r in report["rows"]:
         assert f"| {r['class']} | {r['strategy']} | {r['k']} |" in text
-    assert "skipped mtp+lm-head:" in text and "MISMATCH" not in text
+    assert "skipped" not in text and "MISMATCH" not in text
+    assert "+lm-head rows: reduced head built in this run" in text
+    assert f"{HEAD_ROWS} of 4096 rows" in text and "held-out tokens" in text
 
 
 def test_a_mismatch_is_loud(report):
@@ -168,11 +197,39 @@ def test_a_refused_strategy_is_skipped_with_its_reason():
         (["--classes", "poetry"], "known: code, json, prose"),
         (["--draft-tokens", "9"], "1..8"),
         (["--new", "1"], "--new must be at least 2"),
+        (["--draft-head-rows", "-1"], "--draft-head-rows must be at least 1"),
+        (["--draft-head-tokens", "0"], "--draft-head-tokens at least 1"),
+        (["--draft-head-rows", "4097"], "--draft-head-rows 4097 is more than the vocabulary"),
     ],
 )
 def test_bad_options_fail_naming_what_is_known(args, problem):
     code, _, err = bench(*SMALL, *args)
     assert code == 1 and problem in err
+
+
+@pytest.mark.parametrize(
+    ("model", "corpus", "problem"),
+    [
+        ("random", None, "a model folder, not a .ninfer file"),
+        ("builtin", "no-such-corpus", "the corpus must be a folder of text files"),
+    ],
+)
+def test_a_draft_head_that_cannot_be_built_is_a_skip(tmp_path, model, corpus, problem):
+    """A safetensors folder (the random model) or a missing corpus: the +lm-head rows are
+    skipped with the build's reason, and every other row runs."""
+    path = ensure_random_model() if model == "random" else BUILTIN_ARTIFACT
+    extra = ["--draft-head-corpus", str(tmp_path / corpus)] if corpus else []
+    code, out, _ = bench(str(path), "--strategies", "mtp+lm-head,ngram", "--draft-tokens", "1",
+                         "--classes", "json", "--new", "4", "--prompts", "1", "--runs", "1",
+                         "--threads", "1", "--dtype", "fp32", "--json", *extra)  # fmt: skip
+    assert code == 0
+    result = json.loads(out)
+    (skip,) = result["skipped"]
+    assert skip["strategy"] == "mtp+lm-head" and result["draft_head"] is None
+    assert "has no reduced draft head, and building one" in skip["reason"]
+    assert problem in skip["reason"] and "--draft-head-model" in skip["reason"]
+    assert [(r["strategy"], r["k"]) for r in result["rows"]] == [("ngram", 1)]
+    assert "skipped mtp+lm-head: MODEL has no reduced draft head" in render(result)
 
 
 def test_builtin_tool_prompts_are_heldout_transcripts():
@@ -229,3 +286,7 @@ def test_lm_head_rows_run_with_a_draft_head_model(tmp_path):
     assert {(r["strategy"], r["k"]) for r in result["rows"]} == {("mtp+lm-head", 1),
                                                                  ("mtp+lm-head", 3)}  # fmt: skip
     assert all(r["rounds"] > 0 for r in result["rows"])
+    head = result["draft_head"]
+    assert (head["source"], head["path"], head["rows"]) == ("given", str(out), 64)
+    assert head["corpus"] is None and head["build_seconds"] is None
+    assert f"+lm-head rows: target and reduced head (64 of 4096 rows) of {out}" in render(result)

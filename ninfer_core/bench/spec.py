@@ -16,15 +16,24 @@ and a round's several tokens count when they arrive. Acceptance comes from the e
 counters (`SpecCounters`), taken before and after each request. The output of a greedy
 request must not change with speculation: every run's ids are compared with the
 baseline's, and a difference is reported loudly.
+
+A strategy NAME+lm-head drafts through a reduced head (`--lm-head-draft`), which the
+built-in model does not carry. So that one run compares MTP with and without it, the
+bench takes the head from --draft-head-model, else from MODEL, else builds a copy of MODEL
+with one (`ninfer draft-head build`, into a temporary folder) from --draft-head-corpus;
+the report says which, and for a built head its rows and coverage. A model the build
+refuses (not a `.ninfer` file) skips those rows with the reason, as a refused strategy is.
 """
 
 from __future__ import annotations
 
 import os
+import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -34,11 +43,18 @@ from ninfer_core.errors import NInferError, UnsupportedChoiceError
 from ninfer_core.spec.config import MAX_DRAFT_TOKENS, SpecConfig
 from ninfer_core.spec.stats import SpecCounters
 
+if TYPE_CHECKING:
+    from ninfer_core.draft_head_build import DraftHeadReport
+    from ninfer_core.loading import LoadedModel
+
 #: Greedy tokens each engine generates once before anything is timed.
 WARMUP_TOKENS = 8
 #: A strategy name with this suffix drafts through the reduced head (`--lm-head-draft`).
 LM_HEAD = "+lm-head"
 BASELINE = "off"
+#: Corpus tokens a draft head built for the +lm-head rows ranks over: about 3 s on the
+#: built-in model on 2 threads of a quiet machine (listing the standard library included).
+DRAFT_HEAD_TOKENS = 32768
 NOTE = (
     "every ratio is against the baseline (no speculation) measured in the same run, on the "
     "same prompts, threads and machine; absolute tok/s are this machine's"
@@ -64,7 +80,20 @@ class SpecBenchConfig:
     draft_head_model: str | None = opt(
         None,
         "a copy of MODEL with a reduced draft head (`ninfer draft-head build`) for the "
-        "+lm-head rows; unset: MODEL itself, skipped when it has none",
+        "+lm-head rows; unset: MODEL's own, else one built in this run (--draft-head-corpus)",
+    )
+    draft_head_corpus: str | None = opt(
+        None,
+        "folder of text files a draft head is built from when MODEL has none and "
+        "--draft-head-model is unset (into a temporary folder, removed at the end); unset: "
+        "this Python's standard library (the code the built-in model was trained on)",
+    )
+    draft_head_rows: int = opt(
+        0, "rows of that built head (default 0: half MODEL's vocabulary, rounded up)"
+    )
+    draft_head_tokens: int = opt(
+        DRAFT_HEAD_TOKENS,
+        "corpus tokens the target ranks that head's rows over (the files in path order)",
     )
     as_json: bool = opt(False, "print the report as JSON", flag="--json")
 
@@ -93,6 +122,11 @@ class SpecBenchConfig:
         """Raise NInferError for counts no run can use (decode speed needs two tokens)."""
         if self.new < 2 or self.runs < 1 or self.prompts < 0 or self.threads < 0:
             raise NInferError("--new must be at least 2, --runs at least 1, --prompts 0 or more")
+        if self.draft_head_rows < 0 or self.draft_head_tokens < 1:
+            raise NInferError(
+                "--draft-head-rows must be at least 1 (0: half the vocabulary), "
+                "--draft-head-tokens at least 1"
+            )
         self.strategy_list()
         self.k_list()
         self.class_list()
@@ -156,10 +190,123 @@ class Timed:
         return sum(self.tokens.values()) / seconds if seconds else 0.0
 
 
-def _build_engines(cfg, loaded, host, device, runtime) -> tuple[dict, list[dict]]:
-    """{Setting: Engine} (the baseline first), and the strategies the model refused."""
-    from ninfer_core.generation import one_request_engine
+@dataclass
+class DraftHead:
+    """The model the +lm-head rows run on and where its reduced head came from, or why
+    there is none (`reason`, the rows' skip)."""
+
+    loaded: LoadedModel | None
+    #: The report's `draft_head` (`_head_info`); None when there is no head.
+    info: dict[str, Any] | None
+    reason: str | None = None
+
+
+def _head_info(
+    source: str,
+    path: str | None,
+    rows: int | None,
+    vocab: int,
+    built: DraftHeadReport | None = None,
+    corpus: str | None = None,
+) -> dict[str, Any]:
+    """The report's `draft_head`: the same keys whatever the source (null where a figure
+    belongs to a build), so a reader of the JSON never has to test for a key."""
+    return {
+        "source": source,  # "given" (--draft-head-model), "model" (MODEL's own), "built"
+        "path": path,  # None when built: the file lay in a temporary folder, now removed
+        "rows": rows,
+        "vocab": vocab,
+        "corpus": corpus,
+        "corpus_tokens": None if built is None else built.ranking.tokens + built.heldout.tokens,
+        "heldout_tokens": None if built is None else built.heldout.tokens,
+        "coverage": None if built is None else built.ranking.coverage(built.token_ids),
+        "heldout_coverage": None if built is None else built.heldout.coverage(built.token_ids),
+        "build_seconds": None if built is None else built.seconds["total"],
+    }
+
+
+def _head_rows(loaded: LoadedModel) -> int | None:
+    """The rows of `loaded`'s reduced head, None when it has none."""
+    from ninfer_core.spec.draft_head import WEIGHT, draft_head_tensors, has_draft_head
+
+    if not has_draft_head(loaded.artifact):
+        return None
+    with draft_head_tensors(loaded.artifact) as tensors:
+        return int(tensors.tensor_shape(WEIGHT)[0])
+
+
+def _build_rows(cfg: SpecBenchConfig, vocab: int) -> int:
+    """--draft-head-rows, 0 meaning half the vocabulary (rounded up): enough to keep nearly
+    every token a small model's greedy output uses (docs/draft-head.md), few enough to be
+    a reduced head. A count past the vocabulary is the user's mistake, not a skip, and is
+    refused before any engine is built."""
+    if cfg.draft_head_rows > vocab:
+        raise NInferError(
+            f"--draft-head-rows {cfg.draft_head_rows} is more than the vocabulary ({vocab})"
+        )
+    return cfg.draft_head_rows or (vocab + 1) // 2
+
+
+def _build_head(cfg, path: Path, loaded, host, device, runtime, scratch: Path) -> DraftHead:
+    """A draft head built from --draft-head-corpus into `scratch`, loaded; a build the
+    model or corpus refuses (not a .ninfer file, no corpus) is the reason to skip, since the
+    rest of the bench does not need it."""
+    from ninfer_core.config import RuntimeConfig
+    from ninfer_core.draft_head_build import build_draft_head
     from ninfer_core.loading import load_model
+
+    vocab = loaded.config.vocab_size
+    rows = _build_rows(cfg, vocab)
+    corpus = cfg.draft_head_corpus or sysconfig.get_paths()["stdlib"]
+    try:
+        built = build_draft_head(
+            path,
+            corpus,
+            rows,
+            out=scratch / f"{path.stem}.draft-head.ninfer",
+            max_tokens=cfg.draft_head_tokens,
+            runtime=RuntimeConfig(dtype=cfg.dtype),
+        )
+    except (NInferError, OSError) as exc:
+        reason = (
+            f"MODEL has no reduced draft head, and building one ({rows} rows from {corpus}) "
+            f"was refused: {exc}; or name a copy of MODEL that has one with --draft-head-model "
+            "PATH"
+        )
+        return DraftHead(None, None, reason)
+    head = load_model(built.path, host=host, device=device, runtime=runtime)
+    return DraftHead(head, _head_info("built", None, built.rows, vocab, built, str(corpus)))
+
+
+def _draft_head(cfg, path: Path, loaded, host, device, runtime, scratch: Path) -> DraftHead:
+    """The +lm-head rows' model: --draft-head-model, else MODEL when it has a reduced head,
+    else a copy built in this run, so one run prints MTP with and without the head."""
+    from ninfer_core.loading import load_model
+
+    vocab = loaded.config.vocab_size
+    if cfg.draft_head_model:
+        head = load_model(cfg.draft_head_model, host=host, device=device, runtime=runtime)
+        info = _head_info("given", cfg.draft_head_model, _head_rows(head), vocab)
+        return DraftHead(head, info)
+    rows = _head_rows(loaded)
+    if rows is not None:
+        return DraftHead(loaded, _head_info("model", str(path), rows, vocab))
+    return _build_head(cfg, path, loaded, host, device, runtime, scratch)
+
+
+def _base_refusal(strategy: str, skipped: list[dict]) -> str | None:
+    """Why NAME was refused, for NAME+lm-head: the same model lacks the same thing, and
+    knowing it first spares a draft head build that could serve nothing."""
+    base = strategy.removesuffix(LM_HEAD)
+    return next((s["reason"] for s in skipped if s["strategy"] == base), None)
+
+
+def _build_engines(
+    cfg, path: Path, loaded, host, device, runtime, scratch: Path
+) -> tuple[dict, list[dict], dict | None]:
+    """{Setting: Engine} (the baseline first), the strategies refused (with the reason),
+    and where the +lm-head rows' reduced head came from (`_head_info`; None if no row)."""
+    from ninfer_core.generation import one_request_engine
 
     known = {e.name for e in host.draft_strategies.entries()}
     unknown = [s for s in cfg.strategy_list() if s.removesuffix(LM_HEAD) not in known]
@@ -168,15 +315,19 @@ def _build_engines(cfg, loaded, host, device, runtime) -> tuple[dict, list[dict]
                           f"(each also as NAME{LM_HEAD})")  # fmt: skip
     engines = {Setting(BASELINE): one_request_engine(loaded, host=host, device=device,
                                                      runtime=runtime)}  # fmt: skip
-    skipped = []
-    head_model = None
+    skipped: list[dict] = []
+    head: DraftHead | None = None
     for strategy in cfg.strategy_list():
         target = loaded
-        if strategy.endswith(LM_HEAD) and cfg.draft_head_model:
-            head_model = head_model or load_model(
-                cfg.draft_head_model, host=host, device=device, runtime=runtime
-            )
-            target = head_model
+        if strategy.endswith(LM_HEAD):
+            reason = _base_refusal(strategy, skipped)
+            if reason is None:
+                head = head or _draft_head(cfg, path, loaded, host, device, runtime, scratch)
+                reason = head.reason
+            if reason is not None:
+                skipped.append({"strategy": strategy, "reason": reason})
+                continue
+            target = head.loaded
         for k in cfg.k_list():
             setting = Setting(strategy, k)
             try:
@@ -189,7 +340,8 @@ def _build_engines(cfg, loaded, host, device, runtime) -> tuple[dict, list[dict]
                     hint = "; or name a copy of MODEL that has one with --draft-head-model PATH"
                 skipped.append({"strategy": strategy, "reason": f"{exc}{hint}"})
                 break
-    return engines, skipped
+    used = head is not None and any(s.strategy.endswith(LM_HEAD) for s in engines)
+    return engines, skipped, head.info if used else None
 
 
 def _generate(engine, prompt: list[int], new: int):
@@ -320,15 +472,20 @@ def run_bench(cfg: SpecBenchConfig, model: str | None = None) -> dict[str, Any]:
                for c in cfg.class_list()}  # fmt: skip
     longest = max(len(ids) for named in prompts.values() for _, ids in named)
     runtime = RuntimeConfig(dtype=cfg.dtype, max_context=longest + cfg.new + MAX_DRAFT_TOKENS + 1)
-    engines, skipped = _build_engines(cfg, loaded, host, device, runtime)
-    try:
-        first = next(iter(prompts.values()))[0][1]
-        for engine in engines.values():
-            _generate(engine, first, WARMUP_TOKENS)
-        timed, mismatches, cpu_share = _time_all(cfg, engines, prompts)
-    finally:
-        for engine in engines.values():
-            engine.close()
+    _build_rows(cfg, loaded.config.vocab_size)  # a bad --draft-head-rows fails here
+    # a draft head built for the +lm-head rows lives here until every engine is closed
+    with tempfile.TemporaryDirectory(prefix="ninfer-bench-spec-") as scratch:
+        engines, skipped, draft_head = _build_engines(
+            cfg, path, loaded, host, device, runtime, Path(scratch)
+        )
+        try:
+            first = next(iter(prompts.values()))[0][1]
+            for engine in engines.values():
+                _generate(engine, first, WARMUP_TOKENS)
+            timed, mismatches, cpu_share = _time_all(cfg, engines, prompts)
+        finally:
+            for engine in engines.values():
+                engine.close()
     mismatched = {(m["class"], m["strategy"], m["k"]) for m in mismatches}
     base = Setting(BASELINE)
     rows = [_row(c, s, timed[s, c], timed[base, c], mismatched)
@@ -351,6 +508,7 @@ def run_bench(cfg: SpecBenchConfig, model: str | None = None) -> dict[str, Any]:
         },
         "rows": rows,
         "draft_head_model": cfg.draft_head_model,
+        "draft_head": draft_head,
         "skipped": skipped,
         "identical": not mismatches,
         "mismatches": mismatches,
@@ -385,6 +543,28 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def head_line(head: dict[str, Any]) -> str:
+    """Where the +lm-head rows' reduced head came from: a head built in this run is only as
+    good as its corpus, so its size, corpus and coverage are printed beside the rows."""
+    rows = "?" if head["rows"] is None else f"{head['rows']} of {head['vocab']}"
+    if head["source"] == "given":
+        return f"{LM_HEAD} rows: target and reduced head ({rows} rows) of {head['path']}"
+    if head["source"] == "model":
+        return f"{LM_HEAD} rows: MODEL's own reduced head ({rows} rows)"
+    heldout = head["heldout_coverage"]
+    held = (
+        "no held-out file read"
+        if heldout is None
+        else f"{heldout:.2%} of {head['heldout_tokens']:,} held-out tokens"
+    )
+    return (
+        f"{LM_HEAD} rows: reduced head built in this run (`ninfer draft-head build`, removed "
+        f"at the end): {rows} rows ranked over {head['corpus_tokens']:,} tokens of "
+        f"{head['corpus']}; coverage {_fmt(head['coverage'], '.2%')} (ranking set), {held}; "
+        f"built in {head['build_seconds']:.1f} s"
+    )
+
+
 def render(result: dict[str, Any]) -> str:
     """The header (model, threads, load), the table, skips, and any warning, loudly."""
     from ninfer_core.bench import kernel_ops_line
@@ -407,8 +587,8 @@ def render(result: dict[str, Any]) -> str:
         "",
         table(result),
     ]
-    if result.get("draft_head_model"):
-        lines.append(f"{LM_HEAD} rows: target and reduced head of {result['draft_head_model']}")
+    if result.get("draft_head"):
+        lines.append(head_line(result["draft_head"]))
     for s in result["skipped"]:
         lines.append(f"skipped {s['strategy']}: {s['reason']}")
     runs: dict[tuple, list[int]] = {}
