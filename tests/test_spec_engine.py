@@ -399,6 +399,30 @@ def test_verify_rows_equal_one_token_decodes_bit_for_bit_in_bf16(builtin_bf16):
     assert torch.equal(runs[0], runs[1])
 
 
+def test_a_rounds_attention_rows_equal_lone_decodes_at_every_length():
+    """The attention of a round's rows against each row decoded alone, over its own
+    padded key count, at many contexts and round sizes: random bf16 data, so that a
+    GEMM whose kernel or summation order depends on the row count shows (it did, on an
+    AVX512 CPU, where the verify rows shared one matmul)."""
+    from ninfer_core.kernels.reference import FEW_ROWS, _decode_rows
+    from ninfer_core.model.ops import decode_length
+
+    gen = torch.Generator().manual_seed(5)
+    hkv, group, dim, bs = 4, 2, 32, 16
+    for valid in range(20, 700, 9):
+        for rows in (2, 4, FEW_ROWS):
+            keys = decode_length(valid, bs)
+            k, v = (torch.randn(hkv, keys, dim, generator=gen).bfloat16() for _ in range(2))
+            q = torch.randn(rows, hkv * group, dim, generator=gen).bfloat16()
+            together = _decode_rows(q, k, v, 0.17, valid=valid)
+            for row in range(rows):
+                own = valid - rows + 1 + row
+                n = decode_length(own, bs)
+                alone = _decode_rows(q[row : row + 1], k[:, :n].contiguous(),
+                                     v[:, :n].contiguous(), 0.17, valid=own)  # fmt: skip
+                assert torch.equal(together[row : row + 1], alone), (valid, rows, row)
+
+
 @pytest.mark.parametrize("strategy", ["mtp", "ngram"])
 def test_greedy_output_is_the_same_in_bf16(builtin_bf16, prompts, strategy):
     loaded, host, device = builtin_bf16

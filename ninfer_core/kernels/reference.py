@@ -236,34 +236,39 @@ def _decode_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, valid: int
 ) -> torch.Tensor:
     """A few query tokens (the last `Q` of `valid`), each over the keys up to its own
-    position, grouped heads as two batched matmuls, all in fp32.
+    position, grouped heads as two batched matmuls per row, all in fp32.
 
     One decode token is the case Q = 1. CPU SDPA spends most of its time on setup for a
     single query row on some CPUs; two small matmuls are as exact. They run in fp32
     whatever the model's dtype: for these shapes (a few query rows per KV head) the CPU's
     bf16 matmul costs about twice an fp32 one plus the casts (measured 72 against 36+12 us
     a layer at 320 keys, one thread), and fp32 keeps every score and probability
-    unrounded. A speculative round's rows take this path too, so each row's output is
-    bit for bit what the same token decoded alone gives (checked on CPU): greedy output
-    does not change with speculation even in bf16. Keys past a row's position (its later
-    rows, and the padding `decode_length` adds) get probability exactly 0; they must be
-    finite, which the zeroed pools guarantee.
+    unrounded.
+
+    A speculative round's rows take this path too, one row at a time with the same
+    shapes as that token decoded alone, so each row's output is bit for bit the lone
+    decode's: greedy output does not change with speculation even in bf16. One matmul of
+    all rows per head would be cheaper (about 120 against 200 us a layer for 4 rows at
+    400 keys), but a GEMM with more rows may take another kernel with another summation
+    order (seen on AVX512 CPUs: 139 of 908 random cases differed in the last bit). Keys
+    past a row's position (its later rows, and the padding `decode_length` adds) get
+    probability exactly 0, which leaves the sums bit for bit as without them (checked);
+    they must be finite, which the zeroed pools guarantee.
     """
     # q: [Q, H, D], k/v: [Hkv, L, D] with L >= valid -> [Q, H, D]
     rows, h, d = q.shape
     hkv, length = k.shape[0], k.shape[1]
-    g = h // hkv
-    qg = q.view(rows, hkv, g, d).transpose(0, 1).reshape(hkv, rows * g, d).float()
-    scores = torch.matmul(qg, k.float().transpose(1, 2)).mul_(scale)  # [Hkv, Q*G, L]
-    if rows == 1:
-        if valid < length:
-            scores[..., valid:] = float("-inf")
-    else:
-        ends = torch.arange(valid - rows + 1, valid + 1, device=q.device).repeat_interleave(g)
-        beyond = torch.arange(length, device=q.device)[None, :] >= ends[:, None]  # [Q*G, L]
-        scores.masked_fill_(beyond, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), v.float())  # [Hkv, Q*G, D]
-    return out.view(hkv, rows, g, d).transpose(0, 1).reshape(rows, h, d).to(q.dtype)
+    qg = q.view(rows, hkv, h // hkv, d).float()  # [Q, Hkv, G, D]
+    keys, values = k.float().transpose(1, 2), v.float()  # [Hkv, D, L], [Hkv, L, D]
+    out = []
+    for row in range(rows):
+        scores = torch.matmul(qg[row], keys).mul_(scale)  # [Hkv, G, L]
+        end = valid - rows + 1 + row  # the keys this row sees
+        if end < length:
+            scores[..., end:] = float("-inf")
+        out.append(torch.matmul(scores.softmax(dim=-1), values))  # [Hkv, G, D]
+    mixed = out[0] if rows == 1 else torch.stack(out)
+    return mixed.reshape(rows, h, d).to(q.dtype)
 
 
 def int4_format_supported(
