@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ninfer_core.builtin_model import CHAT_TEMPLATE
+from ninfer_core.builtin_tools import TOOLS, UNITS
 from ninfer_core.text.chat_template import ChatTemplate
 
 #: documents are separated by this token, as in Qwen's pretraining
@@ -131,56 +132,12 @@ FILES = [
     "tests/test_api.py", "config.toml", "Makefile", "docs/index.md",
 ]  # fmt: skip
 PATTERNS = ["TODO", "def main", "import json", "class User", "raise ValueError", "async def"]
-UNITS = ["celsius", "fahrenheit"]
 CONDITIONS = ["sunny", "cloudy", "light rain", "snow", "windy", "clear", "fog"]
 SYSTEMS = [
     "You are a helpful assistant.",
     "You are a coding assistant. Use the tools when they help.",
     "You are NInfer's demo assistant. Answer briefly.",
 ]
-
-
-def _fn(name: str, description: str, props: dict[str, dict], required: list[str]) -> dict:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {"type": "object", "properties": props, "required": required},
-        },
-    }
-
-
-TOOLS = {
-    "get_weather": _fn(
-        "get_weather",
-        "Get the current weather in a city.",
-        {
-            "city": {"type": "string", "description": "City name"},
-            "unit": {"type": "string", "enum": UNITS},
-        },
-        ["city"],
-    ),
-    "read_file": _fn("read_file", "Read a text file.", {"path": {"type": "string"}}, ["path"]),
-    "search_code": _fn(
-        "search_code",
-        "Search the repository for a pattern.",
-        {"pattern": {"type": "string"}, "path": {"type": "string"}},
-        ["pattern"],
-    ),
-    "calculator": _fn(
-        "calculator",
-        "Evaluate an arithmetic expression.",
-        {"expression": {"type": "string"}},
-        ["expression"],
-    ),
-    "send_email": _fn(
-        "send_email",
-        "Send an email.",
-        {"to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
-        ["to", "subject", "body"],
-    ),
-}
 
 
 def _weather(rng: random.Random) -> tuple[str, dict, str, str]:

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ninfer_core.builtin_tools import TOOLS
 from ninfer_core.errors import NInferError
 
 if TYPE_CHECKING:  # the CLI imports this module to build its options: nothing heavy
@@ -29,50 +30,6 @@ if TYPE_CHECKING:  # the CLI imports this module to build its options: nothing h
 
 ContentClass = Literal["code", "json", "prose"]
 CLASSES: tuple[ContentClass, ...] = ("code", "json", "prose")
-
-
-def _fn(name: str, description: str, props: dict[str, dict], required: list[str]) -> dict:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {"type": "object", "properties": props, "required": required},
-        },
-    }
-
-
-#: The built-in corpus's tool definitions, verbatim (the model saw exactly these).
-TOOLS: dict[str, dict] = {
-    "get_weather": _fn(
-        "get_weather",
-        "Get the current weather in a city.",
-        {
-            "city": {"type": "string", "description": "City name"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        },
-        ["city"],
-    ),
-    "read_file": _fn("read_file", "Read a text file.", {"path": {"type": "string"}}, ["path"]),
-    "search_code": _fn(
-        "search_code",
-        "Search the repository for a pattern.",
-        {"pattern": {"type": "string"}, "path": {"type": "string"}},
-        ["pattern"],
-    ),
-    "calculator": _fn(
-        "calculator",
-        "Evaluate an arithmetic expression.",
-        {"expression": {"type": "string"}},
-        ["expression"],
-    ),
-    "send_email": _fn(
-        "send_email",
-        "Send an email.",
-        {"to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"}},
-        ["to", "subject", "body"],
-    ),
-}
 
 
 @dataclass(frozen=True)
