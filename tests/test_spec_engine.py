@@ -386,41 +386,72 @@ def test_verify_rows_equal_one_token_decodes_bit_for_bit_in_bf16(builtin_bf16):
     from ninfer_core.engine.sequence import Sequence
 
     loaded, host, device = builtin_bf16
-    ids, extra = list(range(5, 45)), [50, 60, 70, 80, 90]
-    runs = []
-    for rows in (1, len(extra)):
-        runtime = build_runtime(loaded, host, device, RuntimeSpec.for_tokens(256))
-        seq = Sequence(ids + extra)
-        runtime.runner.run([(seq, len(ids))])
-        if rows == 1:
-            runs.append(torch.cat([runtime.runner.run([(seq, 1)]) for _ in extra]))
-        else:
-            runs.append(runtime.runner.run([(seq, rows)], all_tokens=True))
-    assert torch.equal(runs[0], runs[1])
+    extra = [50, 60, 70, 80, 90]
+    # contexts on and off the padded key counts a lone decode reads (`decode_length`)
+    for prompt in (40, 150, 321):
+        ids = [(7 * i) % 4000 + 5 for i in range(prompt)]
+        runs = []
+        for rows in (1, len(extra)):
+            runtime = build_runtime(loaded, host, device, RuntimeSpec.for_tokens(512))
+            seq = Sequence(ids + extra)
+            runtime.runner.run([(seq, len(ids))])
+            if rows == 1:
+                runs.append(torch.cat([runtime.runner.run([(seq, 1)]) for _ in extra]))
+            else:
+                runs.append(runtime.runner.run([(seq, rows)], all_tokens=True))
+        assert torch.equal(runs[0], runs[1]), prompt
 
 
-def test_a_rounds_attention_rows_equal_lone_decodes_at_every_length():
-    """The attention of a round's rows against each row decoded alone, over its own
-    padded key count, at many contexts and round sizes: random bf16 data, so that a
-    GEMM whose kernel or summation order depends on the row count shows (it did, on an
-    AVX512 CPU, where the verify rows shared one matmul)."""
-    from ninfer_core.kernels.reference import FEW_ROWS, _decode_rows
-    from ninfer_core.model.ops import decode_length
+class _Fresh:
+    """A sequence of `length` tokens with `computed` in the store (`AttentionMetadata.build`)."""
 
+    def __init__(self, table: list[int], computed: int, length: int) -> None:
+        self.seq_id, self.num_computed_tokens, self.block_table = 0, computed, table
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 32), (3, 3, 64)])  # built-in, SmolLM2 (Hkv, G, D)
+def test_a_rounds_attention_rows_equal_lone_decodes_at_every_length(heads):
+    """The reference's paged attention of a round's rows against each row decoded alone,
+    at many contexts and round sizes, over random bf16 K/V: a GEMM whose kernel or
+    summation order depends on the row count or the key count shows here (both did on
+    an AVX512 CPU: one matmul for all rows, and rows over 326 keys where a lone decode
+    reads its padded 352)."""
+    from ninfer_core.kernels.reference import FEW_ROWS, TorchOps
+    from ninfer_core.kv.layout import KVLayout
+    from ninfer_core.model.attention_meta import AttentionMetadata
+
+    hkv, group, dim = heads
+    bs, pages = 16, 48
     gen = torch.Generator().manual_seed(5)
-    hkv, group, dim, bs = 4, 2, 32, 16
-    for valid in range(20, 700, 9):
-        for rows in (2, 4, FEW_ROWS):
-            keys = decode_length(valid, bs)
-            k, v = (torch.randn(hkv, keys, dim, generator=gen).bfloat16() for _ in range(2))
-            q = torch.randn(rows, hkv * group, dim, generator=gen).bfloat16()
-            together = _decode_rows(q, k, v, 0.17, valid=valid)
+    store = (
+        create_host()
+        .kv_codecs.get("bf16")
+        .allocate(KVLayout(1, hkv, dim, bs, pages), "cpu", torch.bfloat16)
+    )
+    table = list(range(pages))
+    ops = TorchOps("cpu")
+    # scaled up: peaked attention, as a trained model's, shows last-bit differences more
+    keys = (3 * torch.randn(pages * bs, hkv, dim, generator=gen)).bfloat16()
+    store.write(0, torch.arange(pages * bs), keys, keys.flip(0))
+
+    def attend(q: torch.Tensor, computed: int) -> torch.Tensor:
+        n = q.shape[0]
+        meta = AttentionMetadata.build([(_Fresh(table, computed, computed + n), n)], bs)
+        ops.prepare(meta)
+        k, v = keys[computed : computed + n], keys.flip(0)[computed : computed + n]
+        return ops.paged_attention(q, k, v, store, 0, meta, 0.17)
+
+    for end in range(FEW_ROWS + 1, 700):
+        for rows in (4,) if end % 7 else (2, 4, FEW_ROWS):
+            q = (3 * torch.randn(rows, hkv * group, dim, generator=gen)).bfloat16()
+            together = attend(q, end - rows)
             for row in range(rows):
-                own = valid - rows + 1 + row
-                n = decode_length(own, bs)
-                alone = _decode_rows(q[row : row + 1], k[:, :n].contiguous(),
-                                     v[:, :n].contiguous(), 0.17, valid=own)  # fmt: skip
-                assert torch.equal(together[row : row + 1], alone), (valid, rows, row)
+                alone = attend(q[row : row + 1], end - rows + row)
+                assert torch.equal(together[row : row + 1], alone), (end, rows, row)
 
 
 @pytest.mark.parametrize("strategy", ["mtp", "ngram"])
