@@ -18,7 +18,13 @@ from ninfer_core import conformance
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.errors import ModelLoadError, UnknownNameError
-from ninfer_core.kernels.compose import OpChoice, backend_summary, compose_ops, plan_kernels
+from ninfer_core.kernels.compose import (
+    OpChoice,
+    backend_summary,
+    compose_ops,
+    composed_choices,
+    plan_kernels,
+)
 from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.model.config import ModelConfig
@@ -144,6 +150,7 @@ def load_model(
     workload = workload_for(artifact, dtype, kv_codec_name(runtime.kv_dtype, dtype))
     kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel, workload=workload)
     ops = compose_ops(host, device, kernels)  # checked against the KernelOps contract
+    kernels = composed_choices(ops, kernels)  # an op the backend's ops lack: the reference
     model = family.build(config, ops, dtype)
     conformance.check(model, CausalLM, f"the model built by family {family.name!r}")
     family.load_weights(model, artifact)

@@ -413,6 +413,30 @@ class KernelOps(Protocol):
         scale: float,
     ) -> torch.Tensor: ...
 
+    # The linear-attention ops (Gated DeltaNet). A backend's ops object may leave them
+    # out: the composed ops (`ninfer_core.kernels.compose`) then take the reference's.
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        cu_seqlens: Sequence[int] | torch.Tensor,
+        *,
+        chunk: int = 64,
+    ) -> torch.Tensor: ...
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        states: torch.Tensor,
+        cu_seqlens: Sequence[int] | torch.Tensor,
+    ) -> torch.Tensor: ...
+
     #: None: `ninfer plan` sizes packed weights by packing a probe weight.
     packed_nbytes: PackedSizer | None = None
 

@@ -331,7 +331,9 @@ def test_probe_names_one_backend_only_when_it_serves_every_op(installed, capsys)
     assert "kernel backends -> linear=fake-linear,attention=torch," in out
     served = {line.split()[1]: line for line in out.splitlines() if " serves " in line}
     assert served["torch"].split()[0] == "chosen"
-    assert served["torch"].endswith("serves attention, rms_norm, rope, silu_and_mul")
+    assert served["torch"].endswith(
+        "serves attention, rms_norm, rope, silu_and_mul, gated_delta_rule, causal_conv1d"
+    )
     assert served["fake-linear"].endswith("serves linear")
     assert main(["probe", "--kernel", "linear=torch", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -380,3 +382,69 @@ def test_a_runtime_over_another_codec_is_checked_against_the_attention_chosen_at
     message = str(info.value)
     assert "composed from kernel backend 'picky' for KV codec 'fp32'" in message
     assert "no kernel for int8 KV" in message and "--kv-dtype int8" in message
+
+
+# -- ops the contract grew later ---------------------------------------------------------
+
+
+class OldOps(LinearOps):
+    """Every op the contract had before the linear-attention ones, and nothing else."""
+
+    name = "old-ops"
+
+    def prepare(self, meta) -> None:
+        pass
+
+    def rms_norm(self, x, w, eps):
+        return x
+
+    def silu_and_mul(self, gate, up):
+        return gate
+
+    def apply_rope(self, q, k, cos, sin):
+        return q, k
+
+    def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
+        return q
+
+
+class OldBackend(LinearOnlyBackend):
+    """Claims every op (`provides` None), written before `gated_delta_rule` existed."""
+
+    name = "old-ops"
+    provides = None
+
+    def create_ops(self, device) -> OldOps:
+        return OldOps(getattr(device, "torch_device", device))
+
+
+def test_a_backend_whose_ops_predate_the_linear_attention_ops_gets_them_from_the_reference():
+    from ninfer_core.kernels.compose import LATER_OPS, composed_choices
+
+    @hookimpl
+    def register_kernel_backends():
+        return [OldBackend()]
+
+    h = create_host(
+        extra_plugins=[
+            ("old", types.SimpleNamespace(register_kernel_backends=register_kernel_backends))
+        ]
+    )
+    planned = plan_kernels(h, CPU, "old-ops")
+    assert set(by_op(planned).values()) == {"old-ops"}
+    assert conformance.problems(OldOps("cpu"), KernelOps)  # not a full ops object alone
+    ops = compose_ops(h, CPU, planned)
+    assert isinstance(ops, ComposedOps) and not conformance.problems(ops, KernelOps)
+    assert isinstance(ops.linear.__self__, OldOps)
+    assert isinstance(ops.gated_delta_rule.__self__, TorchOps)
+    assert isinstance(ops.causal_conv1d.__self__, TorchOps)
+    record = {c.op: c for c in composed_choices(ops, planned)}
+    for op in LATER_OPS:
+        assert record[op].backend == "torch"
+        assert record[op].passed_over == (("old-ops", f"its ops have no {op}"),)
+    assert record["linear"].backend == "old-ops"
+    # A backend whose ops have them keeps its own object: nothing recorded differently.
+    torch_choices = plan_kernels(h, CPU, "torch")
+    torch_ops = compose_ops(h, CPU, torch_choices)
+    assert type(torch_ops) is TorchOps
+    assert composed_choices(torch_ops, torch_choices) == torch_choices

@@ -15,6 +15,10 @@ and only when the method's signature takes it (`selection.call_accepting`): a ba
 written when `provides` took the device alone keeps working, as a pluggy hook
 implementation that takes a subset of the spec's arguments does.
 
+A backend that claims every op but whose ops object predates one the contract grew
+later (`LATER_OPS`: the Gated DeltaNet ops) is not refused: that op comes from the
+reference, and the record (`ComposedOps.choices`, `LoadedModel.kernels`) says so.
+
 The ops object the model holds carries each chosen implementation as a bound method
 (or, when one backend serves every op, is that backend's own ops object): nothing is
 looked up per call.
@@ -45,7 +49,13 @@ OPS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rms_norm",),
     "rope": ("apply_rope",),
     "silu_and_mul": ("silu_and_mul",),
+    "gated_delta_rule": ("gated_delta_rule",),
+    "causal_conv1d": ("causal_conv1d",),
 }
+#: Ops the contract grew after backends were written against it (the linear attention
+#: of Gated DeltaNet models). A backend that claims every op (`provides` None) but whose
+#: ops object lacks one of these still serves the rest; the reference serves that one.
+LATER_OPS: tuple[str, ...] = ("gated_delta_rule", "causal_conv1d")
 #: Members a partial backend may leave out, and what stands in for them (the
 #: `ninfer_core.model.ops.KernelOps` base's defaults: no per-step state, weights kept
 #: as loaded, `ninfer plan` packs a probe weight).
@@ -266,14 +276,13 @@ def compose_ops(
     host: PluginHost, device: DeviceInfo | torch.device | str, choices: list[OpChoice]
 ) -> KernelOps:
     """The ops object the model holds: each op's members from its chosen backend."""
-    from ninfer_core.kernels.reference import TorchOps
-
     made: dict[str, Any] = {}
     for backend in dict.fromkeys(c.backend for c in choices):
-        if backend in host.kernel_backends:
-            made[backend] = host.kernel_backends.get(backend).create_ops(device)
-        else:  # the reference, with no `torch` backend registered
-            made[backend] = TorchOps(getattr(device, "torch_device", device))
+        made[backend] = _create_ops(host, device, backend)
+    choices = _reference_for_later_ops(choices, made)
+    if REFERENCE in {c.backend for c in choices} and REFERENCE not in made:
+        made[REFERENCE] = _create_ops(host, device, REFERENCE)
+    made = {b: made[b] for b in dict.fromkeys(c.backend for c in choices)}
     if len(made) == 1:
         [(backend, ops)] = made.items()
         conformance.check(ops, KernelOps, f"the ops of kernel backend {backend!r}")
@@ -288,6 +297,37 @@ def compose_ops(
     composed = ComposedOps(choices, made)
     conformance.check(composed, KernelOps, "the composed kernel ops")
     return composed
+
+
+def _create_ops(host: PluginHost, device: Any, backend: str) -> Any:
+    """The ops object of `backend`, or the core's reference when no `torch` backend is
+    registered."""
+    from ninfer_core.kernels.reference import TorchOps
+
+    if backend in host.kernel_backends:
+        return host.kernel_backends.get(backend).create_ops(device)
+    return TorchOps(getattr(device, "torch_device", device))
+
+
+def _reference_for_later_ops(choices: list[OpChoice], made: dict[str, Any]) -> list[OpChoice]:
+    """`choices`, with each of `LATER_OPS` whose chosen ops object lacks its members moved
+    to the reference, saying why (a backend written before the op keeps serving the
+    rest); `ComposedOps.choices` and `LoadedModel.kernels` record the result."""
+    out = []
+    for c in choices:
+        missing = [m for m in OPS[c.op] if getattr(made[c.backend], m, None) is None]
+        if c.op in LATER_OPS and c.backend != REFERENCE and missing:
+            why = f"its ops have no {', '.join(missing)}"
+            passed = (*c.passed_over, (c.backend, why))
+            c = OpChoice(c.op, REFERENCE, f"{c.backend} {why}", passed)
+        out.append(c)
+    return out
+
+
+def composed_choices(ops: Any, planned: list[OpChoice]) -> list[OpChoice]:
+    """What serves each op in `ops` (a `compose_ops` result): `planned`, unless
+    composing moved an op to the reference (`LATER_OPS`)."""
+    return list(ops.choices) if isinstance(ops, ComposedOps) else planned
 
 
 class ComposedOps:

@@ -5,7 +5,8 @@ The built-in `torch` kernel backend (`ninfer_plugins/backend_torch.py`) register
 Plain PyTorch ops; runs wherever torch runs. Attention gathers each sequence's cached
 pages and calls `F.scaled_dot_product_attention` (grouped-query heads through
 `enable_gqa`) for prefill, two small matmuls for a decode row; masks are built once
-per step in `prepare`, not per layer.
+per step in `prepare`, not per layer. The linear-attention ops (`gated_delta_rule`,
+`causal_conv1d`) are `ninfer_core.kernels.delta_rule`'s.
 
 Quantized weights (`QuantizedTensor`) run one of two ways. The reference dequantizes
 row chunks into the activations' dtype and calls `F.linear` (exact: the same numbers a
@@ -28,6 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ninfer_core.kernels import delta_rule
 from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
@@ -191,6 +193,15 @@ class TorchOps(KernelOps):
                 )[0].transpose(0, 1)  # [Q, H, D]
             outs.append(out if rotation is None else rotation.inverse(out).to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def gated_delta_rule(self, q, k, v, g, beta, states, cu_seqlens, *, chunk=64):
+        """`delta_rule.gated_delta_rule`: per sequence the recurrent form for a few
+        tokens, the chunked one for more, in fp32 against the fp32 states."""
+        return delta_rule.gated_delta_rule(q, k, v, g, beta, states, cu_seqlens, chunk=chunk)
+
+    def causal_conv1d(self, x, weight, bias, states, cu_seqlens):
+        """`delta_rule.causal_conv1d`: each sequence convolved behind its carried inputs."""
+        return delta_rule.causal_conv1d(x, weight, bias, states, cu_seqlens)
 
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

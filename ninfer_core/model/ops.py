@@ -4,11 +4,13 @@ The model never calls a kernel directly; it holds one `KernelOps` and calls thes
 methods, so a backend (the torch reference in `ninfer_core/kernels/reference.py`, Triton,
 CuPy) can replace any subset (`ninfer_core/kernels/compose.py` composes them per op).
 Shapes use T = tokens in the step (all sequences flattened), H = query heads, Hkv = KV
-heads, D = head dim.
+heads, D = head dim; for the linear-attention ops (Gated DeltaNet, Qwen3-Next), B =
+sequences in the step and `cu_seqlens` their B + 1 token offsets into the T tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,5 +127,51 @@ class KernelOps:
         K/V go to `kv_store` at `meta.slot_mapping`; then each sequence's query tokens
         attend causally over its whole cached context (earlier steps plus this one).
         H is a multiple of Hkv (grouped-query attention).
+        """
+        raise NotImplementedError
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+        cu_seqlens: Sequence[int] | torch.Tensor,
+        *,
+        chunk: int = 64,
+    ) -> torch.Tensor:
+        """The gated delta rule (Gated DeltaNet's linear attention) over a ragged batch.
+
+        q, k: [T, Hqk, Dk]; v: [T, Hv, Dv] (Hv a multiple of Hqk: value head j reads q/k
+        head j // (Hv / Hqk)); g: [T, Hv] log-decay (<= 0); beta: [T, Hv] in (0, 1);
+        states: [B, Hv, Dk, Dv] fp32, each sequence's recurrent state before its tokens,
+        UPDATED IN PLACE to the state after them; cu_seqlens: [B + 1] token offsets (host
+        ints or a tensor) -> o: [T, Hv, Dv] in v's dtype.
+
+        q and k are L2-normalised inside (eps 1e-6 under the root) and q scaled by
+        Dk**-0.5. Per value head and token: `S = exp(g) S; u = beta (v - Sᵀk);
+        S = S + k uᵀ; o = Sᵀq`. `chunk`: tokens per block of the chunked form a
+        backend may use for long sequences (the result must not depend on it beyond
+        rounding). Reference: `ninfer_core.kernels.delta_rule.gated_delta_rule`.
+        """
+        raise NotImplementedError
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        states: torch.Tensor,
+        cu_seqlens: Sequence[int] | torch.Tensor,
+    ) -> torch.Tensor:
+        """silu(depthwise causal conv1d) over a ragged batch, with a carried state.
+
+        x: [T, C]; weight: [C, K]; bias: [C] or None; states: [B, C, K - 1], each
+        sequence's previous K - 1 inputs (zeros for a new sequence), UPDATED IN PLACE to
+        its last K - 1 inputs; cu_seqlens: [B + 1] token offsets -> [T, C] in x's dtype.
+        Prefill in pieces and decode token by token give what one pass does.
+        Reference: `ninfer_core.kernels.delta_rule.causal_conv1d`.
         """
         raise NotImplementedError
