@@ -75,10 +75,15 @@ def sequence_logits(
 
     runtime = runtime if runtime is not None else scoring_runtime(loaded, len(ids))
     seq = Sequence(ids)
+    states = runtime.states  # a model with state layers: the window starts from zero
+    if states is not None:
+        seq.state_slot = states.allocate()
     try:
         return runtime.runner.run([(seq, len(ids))], all_tokens=True)
     finally:
         runtime.block_manager.free(seq)
+        if states is not None:
+            states.free(seq.state_slot)
 
 
 def eval_ppl(

@@ -1,0 +1,115 @@
+"""Model family `qwen3-next`: the hybrid Qwen3-Next decoder (`Qwen3NextForCausalLM`).
+
+Three of every four layers (by default) are Gated DeltaNet linear attention, which keep
+a fixed-size state per sequence; the rest are gated full attention over the paged KV
+pool. The family declares that split once (`layer_caches`), and the engine sizes and
+allocates both from it. MLPs are sparse mixtures of experts (`ninfer_core.model.moe`)
+except on `mlp_only_layers`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ninfer_core import hookimpl
+from ninfer_core.device import DeviceInfo
+from ninfer_core.errors import ModelLoadError
+from ninfer_core.model.caches import ModelCaches, PagedKV, SequenceState, StateTensor
+from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.ops import KernelOps
+from ninfer_core.model.rope import check_rope
+from ninfer_core.model.weight_budget import held_weights
+from ninfer_core.model.weights import WeightSlot, check_weights, load_weights
+from ninfer_core.plugin_types import Artifact
+from ninfer_core.support import Support
+from ninfer_plugins.model_hybrid.config import HybridConfig
+from ninfer_plugins.model_hybrid.model import HybridDecoder, planned_weights, weight_plan
+
+__all__ = ["HybridConfig", "HybridDecoder", "Qwen3NextFamily", "register_model_families"]
+
+
+def hybrid_config(config: ModelConfig) -> HybridConfig:
+    """The hybrid fields of a config `Qwen3NextFamily.parse_config` accepted."""
+    return HybridConfig.from_model_config(config)
+
+
+def linear_state(config: HybridConfig) -> SequenceState:
+    """What a Gated DeltaNet layer keeps per sequence: the conv's last K - 1 inputs and
+    the recurrent state, both fp32 (the ops' `states` arguments, without the batch)."""
+    c = config.linear
+    return SequenceState(
+        (
+            StateTensor("conv", (c.conv_dim, c.conv_kernel - 1), torch.float32),
+            StateTensor(
+                "recurrent", (c.num_value_heads, c.key_head_dim, c.value_head_dim), torch.float32
+            ),
+        )
+    )
+
+
+class Qwen3NextFamily:
+    """Qwen3-Next: hybrid Gated DeltaNet / gated attention with sparse MoE MLPs."""
+
+    name = "qwen3-next"
+    architectures = ("Qwen3NextForCausalLM",)
+    description = "Qwen3-Next hybrid decoders (Gated DeltaNet + gated attention, MoE)"
+
+    def supports(self, device: DeviceInfo) -> Support:
+        return Support.yes()
+
+    def parse_config(self, raw: dict[str, Any]) -> ModelConfig:
+        """The shared `ModelConfig`, after the hybrid fields and the (partial) RoPE have
+        been checked, so a bad config fails before any weight is allocated."""
+        config = ModelConfig.from_hf(raw, qk_norm=True)
+        if config.attention_bias:
+            raise ModelLoadError("config.json: attention_bias is not supported for Qwen3-Next")
+        check_rope(hybrid_config(config).rope_config())
+        return config
+
+    def check_artifact(self, config: ModelConfig, artifact: Artifact) -> None:
+        """Before anything is allocated: the config's weights fit in what the tensor
+        headers hold (arithmetic, `planned_weights`), then every planned tensor is there
+        with its shape (the first that is not is named)."""
+        hybrid = hybrid_config(config)
+        planned, held = planned_weights(hybrid), held_weights(artifact)
+        if planned > held:
+            raise ModelLoadError(
+                f"{artifact.path}: config.json describes {planned:,} weights, but the files "
+                f"hold only {held:,}: the config does not match the weights"
+            )
+        check_weights(config, artifact, weight_plan(hybrid))
+
+    def layer_caches(self, config: ModelConfig) -> ModelCaches:
+        """Paged K/V for the full-attention layers, a sequence state for the others."""
+        hybrid = hybrid_config(config)
+        kv, state = PagedKV(config.num_kv_heads, config.head_dim), linear_state(hybrid)
+        return ModelCaches(
+            tuple(state if hybrid.is_linear(i) else kv for i in range(config.num_layers))
+        )
+
+    def weight_slots(self, config: ModelConfig) -> list[WeightSlot]:
+        """q|k|v and every gate|up fused; `mtp.*` and a tied head not loaded."""
+        return weight_plan(hybrid_config(config))
+
+    def build(
+        self,
+        config: ModelConfig,
+        ops: KernelOps,
+        dtype: torch.dtype,
+        context_len: int | None = None,
+    ) -> HybridDecoder:
+        """Uninitialised parameters on `ops.device`; fill them with `load_weights`."""
+        return HybridDecoder(hybrid_config(config), ops, dtype, context_len)
+
+    def load_weights(self, model: HybridDecoder, artifact: Artifact) -> None:
+        load_weights(model, artifact, weight_plan(model.hybrid))
+
+    def __repr__(self) -> str:
+        return f"Qwen3NextFamily({self.name})"
+
+
+@hookimpl
+def register_model_families() -> list[Qwen3NextFamily]:
+    return [Qwen3NextFamily()]
