@@ -19,31 +19,33 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import prompt
+from hybrid_helpers import (
+    LAYER_TYPES,
+    TOL,
+    engine,
+    greedy_request,
+    load_fp32,
+    new_sequence,
+    reference_greedy,
+    reference_logits,
+    runner_for,
+    save_perturbed,
+)
 from safetensors.torch import load_file, save_file
-from text_fixtures import write_model_dir
 
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.convert import convert
 from ninfer_core.device import probe_device
-from ninfer_core.engine.config import EngineConfig
-from ninfer_core.engine.engine import Engine
-from ninfer_core.engine.request import GenerationRequest
-from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
-from ninfer_core.engine.sequence import Sequence
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.eval_ppl import eval_ppl, sequence_logits
 from ninfer_core.loading import load_model
 from ninfer_core.model.caches import PagedKV, SequenceState, caches_for
 from ninfer_core.plugin_host import create_host
 from ninfer_core.quant.tensor import QuantizedTensor
-from ninfer_core.sampling import SamplingParams
 from ninfer_plugins.model_hybrid import HybridConfig, HybridDecoder, Qwen3NextFamily
 from ninfer_plugins.model_hybrid.model import planned_weights, weight_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-TOL = 1e-4
-LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
 def tiny_qwen3_next_config(**overrides):
@@ -93,18 +95,11 @@ def write_tiny_qwen3_next(path, seed: int = 0, **overrides) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(tiny_qwen3_next_config(**overrides)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")):
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("A_log"):  # decays exp(g) spread over (0, 1)
-                p.copy_(torch.empty(p.shape).uniform_(-2.0, 1.0, generator=g))
-    model.save_pretrained(path)
+    save_perturbed(model, path, seed)
     h = model.config.hidden_size
+    g = torch.Generator().manual_seed(seed + 2)
     mtp = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=g), "mtp.norm.weight": torch.ones(h)}
     save_file(mtp, str(path / "mtp.safetensors"))
-    write_model_dir(path)  # the engine needs a tokenizer
     return model
 
 
@@ -113,37 +108,7 @@ def hybrid(tmp_path_factory):
     """(reference, loaded, host, device): transformers' model and ours, both fp32."""
     path = tmp_path_factory.mktemp("qwen3-next")
     reference = write_tiny_qwen3_next(path)
-    host, device = create_host(), probe_device(use_cuda=False)
-    loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="fp32"))
-    return reference, loaded, host, device
-
-
-@torch.no_grad()
-def reference_logits(reference, ids: list[int]) -> torch.Tensor:
-    """transformers' logits at every position of `ids`, one pass without a cache."""
-    return reference(torch.tensor([ids]), use_cache=False).logits[0].float()
-
-
-def runner_for(hybrid):
-    _, loaded, host, device = hybrid
-    return build_runtime(loaded, host, device, RuntimeSpec(8, 16, kv_dtype="fp32")).runner
-
-
-def new_sequence(runner, ids: list[int]) -> Sequence:
-    seq = Sequence(ids)
-    seq.state_slot = runner.states.allocate()
-    return seq
-
-
-def engine(hybrid, **config) -> Engine:
-    _, loaded, host, device = hybrid
-    cfg = EngineConfig(**{"kv_capacity": 1024, "max_concurrency": 4, **config})
-    return Engine(loaded, cfg, host=host, device=device, kv_dtype="fp32")
-
-
-def request(rid: str, ids: list[int], max_tokens: int) -> GenerationRequest:
-    params = SamplingParams(temperature=0.0)
-    return GenerationRequest(ids, params, max_tokens=max_tokens, ignore_eos=True, request_id=rid)
+    return (reference, *load_fp32(path))
 
 
 def test_the_family_declares_paged_attention_and_state_layers(hybrid):
@@ -187,24 +152,19 @@ def test_uneven_chunked_prefill_then_decode_matches_transformers(hybrid):
 def test_greedy_generation_matches_transformers_generate(hybrid):
     reference = hybrid[0]
     ids = prompt(20, seed=3)
-    with torch.no_grad():
-        out = reference.generate(
-            torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-            pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
-    expected = out[0, len(ids) :].tolist()
-    (result,) = engine(hybrid).generate([request("a", ids, 32)])
+    expected = reference_greedy(reference, ids, 32)
+    (result,) = engine(hybrid).generate([greedy_request("a", ids, 32)])
     assert result.token_ids == expected
     assert len(set(expected)) > 3  # a model that repeats one token would test nothing
 
 
 def test_two_concurrent_sequences_equal_each_run_alone(hybrid):
     prompts = [prompt(23, seed=4), prompt(9, seed=5)]
-    alone = [engine(hybrid).generate([request(f"r{i}", p, 12)])[0].token_ids
+    alone = [engine(hybrid).generate([greedy_request(f"r{i}", p, 12)])[0].token_ids
              for i, p in enumerate(prompts)]  # fmt: skip
     # 7-token prefill chunks: one sequence decodes while the other is still prefilling.
     eng = engine(hybrid, prefill_chunk=7)
-    together = eng.generate([request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    together = eng.generate([greedy_request(f"r{i}", p, 12) for i, p in enumerate(prompts)])
     assert [r.token_ids for r in together] == alone
     eng.check_invariants()
     assert eng.runtime.states.num_free == 4
@@ -223,9 +183,8 @@ def test_a_dense_tied_full_rotary_variant_matches_transformers(tmp_path):
     config.pop("layer_types")
     config["full_attention_interval"] = 2
     (tmp_path / "config.json").write_text(json.dumps(config))
-    host, device = create_host(), probe_device(use_cuda=False)
-    loaded = load_model(tmp_path, host=host, device=device, runtime=RuntimeConfig(dtype="fp32"))
-    hybrid = (reference, loaded, host, device)
+    hybrid = (reference, *load_fp32(tmp_path))
+    loaded = hybrid[1]
     assert loaded.model.hybrid.layer_types == ("linear_attention", "full_attention") * 2
     assert caches_for(loaded.family, loaded.config).paged_layers == [1, 3]
     ids = prompt(27, seed=8)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.decode_graph import dense_decode_graph
-from ninfer_core.model.layers import DecoderLayer, RMSNorm, empty_param
+from ninfer_core.model.layers import DecoderLayer, RMSNorm, empty_param, held_bytes
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
 from ninfer_core.quant.tensor import QuantizedTensor
@@ -53,22 +53,7 @@ class DenseDecoder(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def weight_bytes(self) -> int:
-        """Bytes the weights hold: parameters, quantized weights (codes and scales) and
-        packed copies (they are not parameters); an object held twice counts once."""
-        seen: set[int] = set()
-        total = 0
-        for module in self.modules():
-            for value in (*module._parameters.values(), *vars(module).values()):
-                if value is None or id(value) in seen:
-                    continue
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-                elif isinstance(getattr(value, "nbytes", None), int):
-                    total += value.nbytes  # QuantizedTensor, or a backend's packed weight
-                else:
-                    continue
-                seen.add(id(value))
-        return total
+        return held_bytes(self)
 
     def _pack(self, w):
         if isinstance(w, QuantizedTensor):  # the weight does not say the compute dtype

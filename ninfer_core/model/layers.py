@@ -125,3 +125,23 @@ class DecoderLayer(nn.Module):
     def mlp_block(self, h: torch.Tensor) -> torch.Tensor:
         """The layer after attention: h + mlp(norm(h)), h the residual with attention added."""
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes a model's weights hold: parameters, quantized weights (codes and scales),
+    packed copies and other tensors its modules keep (none of which are parameters); an
+    object held twice (a tied head) counts once. `CausalLM.weight_bytes` of every family."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for value in (*module._parameters.values(), *vars(module).values()):
+            if value is None or id(value) in seen:
+                continue
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif isinstance(getattr(value, "nbytes", None), int):
+                total += value.nbytes  # QuantizedTensor, or a backend's packed weight
+            else:
+                continue
+            seen.add(id(value))
+    return total

@@ -1,10 +1,18 @@
-"""Model family `qwen3-next`: the hybrid Qwen3-Next decoder (`Qwen3NextForCausalLM`).
+"""Model families `qwen3-next` (`Qwen3NextForCausalLM`) and `qwen3.5` (Qwen3.5 / 3.6,
+dense and MoE): the hybrid Qwen3-Next decoder and its successor.
 
 Three of every four layers (by default) are Gated DeltaNet linear attention, which keep
 a fixed-size state per sequence; the rest are gated full attention over the paged KV
 pool. The family declares that split once (`layer_caches`), and the engine sizes and
 allocates both from it. MLPs are sparse mixtures of experts (`ninfer_core.model.moe`)
-except on `mlp_only_layers`.
+except on `mlp_only_layers`, or dense everywhere when the config has no experts.
+
+Qwen3.5 is the same network (transformers' `qwen3_5` modules subclass `qwen3_next`'s;
+its M-RoPE is plain RoPE for text, whose three position axes are equal). Its checkpoints
+differ in the DeltaNet's input projections (`HybridConfig.grouped_projections`) and, for
+the multimodal ones the Hub ships, in nesting the text model (`text_config`,
+`model.language_model.`): `Qwen3_5Family` is `Qwen3NextFamily` with that switch set, and
+only the text model is loaded.
 """
 
 from __future__ import annotations
@@ -24,15 +32,16 @@ from ninfer_core.model.weight_budget import held_weights
 from ninfer_core.model.weights import WeightSlot, check_weights, load_weights
 from ninfer_core.plugin_types import Artifact
 from ninfer_core.support import Support
-from ninfer_plugins.model_hybrid.config import HybridConfig
+from ninfer_plugins.model_hybrid.config import HybridConfig, text_fields, with_mlp_width
 from ninfer_plugins.model_hybrid.model import HybridDecoder, planned_weights, weight_plan
 
-__all__ = ["HybridConfig", "HybridDecoder", "Qwen3NextFamily", "register_model_families"]
-
-
-def hybrid_config(config: ModelConfig) -> HybridConfig:
-    """The hybrid fields of a config `Qwen3NextFamily.parse_config` accepted."""
-    return HybridConfig.from_model_config(config)
+__all__ = [
+    "HybridConfig",
+    "HybridDecoder",
+    "Qwen3NextFamily",
+    "Qwen3_5Family",
+    "register_model_families",
+]
 
 
 def linear_state(config: HybridConfig) -> SequenceState:
@@ -53,8 +62,14 @@ class Qwen3NextFamily:
     """Qwen3-Next: hybrid Gated DeltaNet / gated attention with sparse MoE MLPs."""
 
     name = "qwen3-next"
-    architectures = ("Qwen3NextForCausalLM",)
+    architectures: tuple[str, ...] = ("Qwen3NextForCausalLM",)
     description = "Qwen3-Next hybrid decoders (Gated DeltaNet + gated attention, MoE)"
+    #: The checkpoint's DeltaNet projection layout (`HybridConfig.grouped_projections`).
+    grouped_projections = True
+
+    def hybrid_config(self, config: ModelConfig) -> HybridConfig:
+        """The hybrid fields of a config `parse_config` accepted."""
+        return HybridConfig.from_model_config(config, grouped_projections=self.grouped_projections)
 
     def supports(self, device: DeviceInfo) -> Support:
         return Support.yes()
@@ -62,17 +77,17 @@ class Qwen3NextFamily:
     def parse_config(self, raw: dict[str, Any]) -> ModelConfig:
         """The shared `ModelConfig`, after the hybrid fields and the (partial) RoPE have
         been checked, so a bad config fails before any weight is allocated."""
-        config = ModelConfig.from_hf(raw, qk_norm=True)
+        config = ModelConfig.from_hf(with_mlp_width(text_fields(raw)), qk_norm=True)
         if config.attention_bias:
-            raise ModelLoadError("config.json: attention_bias is not supported for Qwen3-Next")
-        check_rope(hybrid_config(config).rope_config())
+            raise ModelLoadError(f"config.json: attention_bias is not supported for {self.name}")
+        check_rope(self.hybrid_config(config).rope_config())
         return config
 
     def check_artifact(self, config: ModelConfig, artifact: Artifact) -> None:
         """Before anything is allocated: the config's weights fit in what the tensor
         headers hold (arithmetic, `planned_weights`), then every planned tensor is there
         with its shape (the first that is not is named)."""
-        hybrid = hybrid_config(config)
+        hybrid = self.hybrid_config(config)
         planned, held = planned_weights(hybrid), held_weights(artifact)
         if planned > held:
             raise ModelLoadError(
@@ -83,7 +98,7 @@ class Qwen3NextFamily:
 
     def layer_caches(self, config: ModelConfig) -> ModelCaches:
         """Paged K/V for the full-attention layers, a sequence state for the others."""
-        hybrid = hybrid_config(config)
+        hybrid = self.hybrid_config(config)
         kv, state = PagedKV(config.num_kv_heads, config.head_dim), linear_state(hybrid)
         return ModelCaches(
             tuple(state if hybrid.is_linear(i) else kv for i in range(config.num_layers))
@@ -91,7 +106,7 @@ class Qwen3NextFamily:
 
     def weight_slots(self, config: ModelConfig) -> list[WeightSlot]:
         """q|k|v and every gate|up fused; `mtp.*` and a tied head not loaded."""
-        return weight_plan(hybrid_config(config))
+        return weight_plan(self.hybrid_config(config))
 
     def build(
         self,
@@ -101,15 +116,33 @@ class Qwen3NextFamily:
         context_len: int | None = None,
     ) -> HybridDecoder:
         """Uninitialised parameters on `ops.device`; fill them with `load_weights`."""
-        return HybridDecoder(hybrid_config(config), ops, dtype, context_len)
+        return HybridDecoder(self.hybrid_config(config), ops, dtype, context_len)
 
     def load_weights(self, model: HybridDecoder, artifact: Artifact) -> None:
         load_weights(model, artifact, weight_plan(model.hybrid))
 
     def __repr__(self) -> str:
-        return f"Qwen3NextFamily({self.name})"
+        return f"{type(self).__name__}({self.name})"
+
+
+class Qwen3_5Family(Qwen3NextFamily):
+    """Qwen3.5 / Qwen3.6: Qwen3-Next's network with flat DeltaNet projections, a dense
+    MLP (`Qwen3_5ForCausalLM`) or MoE on every layer (`Qwen3_5MoeForCausalLM`).
+
+    The `...ForConditionalGeneration` checkpoints are loaded as their text model: the
+    vision tower is not read, so image inputs are not supported."""
+
+    name = "qwen3.5"
+    architectures = (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+    )
+    description = "Qwen3.5 / 3.6 hybrid decoders, dense and MoE (text only)"
+    grouped_projections = False
 
 
 @hookimpl
 def register_model_families() -> list[Qwen3NextFamily]:
-    return [Qwen3NextFamily()]
+    return [Qwen3NextFamily(), Qwen3_5Family()]

@@ -1,4 +1,4 @@
-"""`HybridConfig`: the Qwen3-Next fields `ModelConfig` has no room for.
+"""`HybridConfig`: the Qwen3-Next / Qwen3.5 fields `ModelConfig` has no room for.
 
 The runtime reads a `ModelConfig` (vocab, hidden size, attention heads, RoPE, eps ...),
 so the family's `parse_config` still returns one: the KV pool's geometry is the full
@@ -18,9 +18,13 @@ from typing import Any
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.model.config import LIMITS, ModelConfig
 from ninfer_core.model.config_fields import FieldReader
-from ninfer_core.model.moe import MoEConfig
+from ninfer_core.model.moe import MAX_EXPERTS, MoEConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
+#: Where a text-only checkpoint keeps the decoder (`Qwen3_5ForCausalLM` and
+#: `Qwen3NextForCausalLM`'s `save_pretrained`), and where Qwen3.5's multimodal ones
+#: (`Qwen3_5ForConditionalGeneration`, the Hub's) do; `lm_head.weight` is top-level in both.
+TEXT_PREFIX, MULTIMODAL_PREFIX = "model.", "model.language_model."
 #: transformers' `Qwen3NextConfig` default when `layer_types` is absent.
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
@@ -56,7 +60,8 @@ class LinearAttentionConfig:
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """A Qwen3-Next config: the shared `ModelConfig` plus the hybrid's own fields."""
+    """A Qwen3-Next or Qwen3.5 config: the shared `ModelConfig` plus the hybrid's own
+    fields."""
 
     base: ModelConfig
     #: `LINEAR` or `FULL`, one per layer.
@@ -66,6 +71,13 @@ class HybridConfig:
     rotary_dim: int
     #: None: every layer has a dense SwiGLU MLP (`num_experts` 0).
     moe: MoEConfig | None
+    #: How a Gated DeltaNet layer's input projections are laid out in the checkpoint:
+    #: grouped by key head in two fused matrices (Qwen3-Next's `in_proj_qkvz` /
+    #: `in_proj_ba`), or flat in four (Qwen3.5's `in_proj_qkv`, `_z`, `_b`, `_a`). The
+    #: architectures are otherwise the same, so this is the one switch between them.
+    grouped_projections: bool = True
+    #: Where the checkpoint names the decoder's tensors (`decoder_prefix`).
+    prefix: str = TEXT_PREFIX
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == LINEAR
@@ -85,9 +97,12 @@ class HybridConfig:
         return dataclasses.replace(base, head_dim=self.rotary_dim, rope_scaling=scaling, raw=raw)
 
     @classmethod
-    def from_model_config(cls, base: ModelConfig, source: str = "config.json") -> HybridConfig:
+    def from_model_config(
+        cls, base: ModelConfig, source: str = "config.json", *, grouped_projections: bool = True
+    ) -> HybridConfig:
         """Read and check the hybrid fields of `base.raw`; a missing, mistyped or
-        inconsistent one is a `ModelLoadError` naming it."""
+        inconsistent one is a `ModelLoadError` naming it. `grouped_projections` is the
+        family's, not the config's (see the field)."""
         raw = base.raw
         f = FieldReader(raw, source)
         layer_types = _layer_types(raw, f, base.num_layers, source)
@@ -118,7 +133,48 @@ class HybridConfig:
             )
         experts = raw.get("num_experts", 0)
         moe = MoEConfig.from_hf(raw, source) if experts else None
-        return cls(base, layer_types, linear, rotary_dim, moe)
+        prefix = decoder_prefix(raw)
+        return cls(base, layer_types, linear, rotary_dim, moe, grouped_projections, prefix)
+
+
+def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language model as a flat text config: `text_config`'s fields
+    over the top level's, the vision tower's left out. `architectures` and
+    `tie_word_embeddings` stay the top level's: transformers ties the head by the
+    composite model's config. A text-only config is returned as it is."""
+    text = raw.get("text_config")
+    if text is None:
+        return raw
+    if not isinstance(text, dict):
+        raise ModelLoadError("config.json: text_config must be an object")
+    top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    kept = {k: raw[k] for k in ("architectures", "tie_word_embeddings") if k in raw}
+    return {**top, **text, **kept}
+
+
+def decoder_prefix(raw: dict[str, Any]) -> str:
+    """The decoder's tensor prefix, from the config alone (the memory plan sizes weights
+    before any artifact is opened): a `...ForConditionalGeneration` checkpoint nests the
+    language model under `model.language_model.`."""
+    archs = raw.get("architectures") or []
+    multimodal = any(str(a).endswith("ForConditionalGeneration") for a in archs)
+    return MULTIMODAL_PREFIX if multimodal else TEXT_PREFIX
+
+
+def with_mlp_width(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw`, with `intermediate_size` filled in when an all-MoE config (Qwen3.5-MoE)
+    leaves it out: `ModelConfig` requires it, and the workspace estimate reads it as the
+    widest MLP activation of a token, which is then its k routed experts' rows or the
+    shared expert's. The decoder builds no dense MLP from it (no layer is dense)."""
+    some_dense = raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1
+    if "intermediate_size" in raw or not raw.get("num_experts") or some_dense:
+        return raw  # a dense layer needs the real width: ModelConfig will ask for it
+    f = FieldReader(raw, "config.json")
+    routed = f.int("num_experts_per_tok", 1, MAX_EXPERTS) * f.int(
+        "moe_intermediate_size", 1, LIMITS["intermediate_size"]
+    )
+    shared = f.int("shared_expert_intermediate_size", 0, LIMITS["intermediate_size"], default=0)
+    return {**raw, "intermediate_size": max(routed, shared)}
 
 
 def _layer_types(raw: dict[str, Any], f: FieldReader, layers: int, source: str) -> tuple[str, ...]:

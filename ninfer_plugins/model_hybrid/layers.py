@@ -1,6 +1,7 @@
-"""The token mixers of Qwen3-Next: gated full attention and the Gated DeltaNet.
+"""The token mixers of Qwen3-Next and Qwen3.5: gated full attention and the Gated DeltaNet.
 
-Reference: `transformers.models.qwen3_next.modeling_qwen3_next` (5.24). Tensors are the
+Reference: `transformers.models.qwen3_next.modeling_qwen3_next` and `qwen3_5` (5.24),
+which differ only in how the DeltaNet's input projections are laid out (`_project`). Tensors are the
 runtime's flat ragged batch: T tokens of every sequence in the step, one after another.
 The checkpoint's own layouts are kept (no row permutation at load), so a quantized or
 backend-packed projection works as for the dense family; the few reorderings they imply
@@ -123,6 +124,9 @@ class GatedDeltaNet(nn.Module):
         lin, h, dev = config.linear, config.base.hidden_size, ops.device
         self.ops, self.layer, self.dtype, self.cfg = ops, layer, dtype, lin
         self.eps = config.base.rms_norm_eps
+        self.grouped = config.grouped_projections
+        # Qwen3.5's four projections are fused into the same two matrices at load
+        # (q|k|v then z, b then a), so both layouts share parameters and packing.
         qkvz = 2 * lin.key_dim + 2 * lin.value_dim
         self.in_proj_qkvz = empty_param(qkvz, h, dtype=dtype, device=dev)
         self.in_proj_ba = empty_param(2 * lin.num_value_heads, h, dtype=dtype, device=dev)
@@ -139,8 +143,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         c, t = self.cfg, x.shape[0]
-        q, k, v, z, b, a = self._project(x)
-        mixed = torch.cat((q, k, v), dim=-1)  # [T, conv_dim]: the conv's channel order
+        mixed, z, b, a = self._project(x)  # mixed: [T, conv_dim], the conv's q | k | v
         conv_state, recurrent = states.read(self.layer)  # copies, advanced in place below
         weight = self.conv1d_weight.view(c.conv_dim, c.conv_kernel)
         mixed = self.ops.causal_conv1d(mixed, weight, None, conv_state, cu_seqlens)
@@ -158,24 +161,36 @@ class GatedDeltaNet(nn.Module):
         return self.ops.linear(gated.reshape(t, c.value_dim), self.out_proj)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: [T, hidden] -> q, k [T, key_dim], v [T, value_dim], z [T, Hv, Dv], b, a
-        [T, Hv].
+        """x: [T, hidden] -> q|k|v [T, conv_dim] (contiguous), z [T, Hv, Dv], b, a
+        [T, Hv]."""
+        c, t = self.cfg, x.shape[0]
+        qkvz = self.ops.linear(x, self.in_proj_qkvz)
+        ba = self.ops.linear(x, self.in_proj_ba)
+        if self.grouped:
+            q, k, v, z, b, a = self._ungroup(qkvz, ba)
+            mixed = torch.cat((q, k, v), dim=-1)
+        else:  # Qwen3.5: rows q | k | v | z and b | a, already the conv's channel order
+            mixed, z = qkvz.split([c.conv_dim, c.value_dim], dim=-1)
+            mixed = mixed.contiguous()
+            b, a = ba.split([c.num_value_heads, c.num_value_heads], dim=-1)
+        return mixed, z.reshape(t, c.num_value_heads, c.value_head_dim), b, a
+
+    def _ungroup(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Qwen3-Next's grouped rows to the flat q, k, v, z, b, a.
 
         `in_proj_qkvz` rows are grouped by key head: for each of the Hk key heads, its
         q (Dk), k (Dk), then the v and z of its Hv / Hk value heads; `in_proj_ba` holds,
         per key head, the b then the a of its value heads (transformers'
         `fix_query_key_value_ordering`)."""
-        c, t = self.cfg, x.shape[0]
+        c, t = self.cfg, qkvz.shape[0]
         r, dk, dv = c.group, c.key_head_dim, c.value_head_dim
-        qkvz = self.ops.linear(x, self.in_proj_qkvz).view(t, c.num_key_heads, -1)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.ops.linear(x, self.in_proj_ba).view(t, c.num_key_heads, 2 * r)
-        b, a = ba.split([r, r], dim=-1)
+        q, k, v, z = qkvz.view(t, c.num_key_heads, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba.view(t, c.num_key_heads, 2 * r).split([r, r], dim=-1)
         return (
             q.reshape(t, c.key_dim),
             k.reshape(t, c.key_dim),
             v.reshape(t, c.value_dim),
-            z.reshape(t, c.num_value_heads, dv),
+            z.reshape(t, c.value_dim),
             b.reshape(t, c.num_value_heads),
             a.reshape(t, c.num_value_heads),
         )

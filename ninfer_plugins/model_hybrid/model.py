@@ -1,4 +1,5 @@
-"""`HybridDecoder`: Qwen3-Next, Gated DeltaNet layers between gated full-attention ones.
+"""`HybridDecoder`: Qwen3-Next / Qwen3.5, Gated DeltaNet layers between gated full
+attention ones.
 
 Each decoder layer is pre-norm, `x + mixer(norm(x))` then `h + mlp(norm(h))`, the mixer
 a `GatedDeltaNet` or a `GatedAttention` (`HybridConfig.layer_types`), the MLP a
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ninfer_core.model.layers import empty_param
+from ninfer_core.model.layers import empty_param, held_bytes
 from ninfer_core.model.moe import SparseMoE, SwiGLU, moe_slots
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
@@ -178,32 +179,18 @@ class HybridDecoder(nn.Module):
                 self.lm_head = packed
 
     def weight_bytes(self) -> int:
-        """Bytes the weights hold: parameters, quantized and packed weights, and the
-        norms' fp32 scales; an object held twice counts once."""
-        seen: set[int] = set()
-        total = 0
-        for module in self.modules():
-            for value in (*module._parameters.values(), *vars(module).values()):
-                if value is None or id(value) in seen:
-                    continue
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-                elif isinstance(getattr(value, "nbytes", None), int):
-                    total += value.nbytes
-                else:
-                    continue
-                seen.add(id(value))
-        return total
+        return held_bytes(self)
 
 
 def weight_plan(config: HybridConfig) -> list[WeightSlot]:
-    """Every tensor a Qwen3-Next checkpoint must provide, and the parameter it fills.
-    `mtp.*` (the multi-token-prediction head) is not listed: the mtp drafter reads it."""
-    base = config.base
+    """Every tensor a Qwen3-Next / Qwen3.5 checkpoint must provide, and the parameter it
+    fills; the decoder's tensors are named under `config.prefix`. `mtp.*` (the multi-token
+    prediction head) and a multimodal checkpoint's `model.visual.*` are not listed."""
+    base, prefix = config.base, config.prefix
     h, v = base.hidden_size, base.vocab_size
-    plan = [WeightSlot("model.embed_tokens.weight", "embed_tokens", 0, (v, h))]
+    plan = [WeightSlot(prefix + "embed_tokens.weight", "embed_tokens", 0, (v, h))]
     for n in range(base.num_layers):
-        hf, ours = f"model.layers.{n}.", f"layers.{n}."
+        hf, ours = f"{prefix}layers.{n}.", f"layers.{n}."
         plan += [
             WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
             WeightSlot(
@@ -226,7 +213,7 @@ def weight_plan(config: HybridConfig) -> list[WeightSlot]:
                 WeightSlot(hf + "mlp.up_proj.weight", ours + "mlp.gate_up_proj", i, (i, h)),
                 WeightSlot(hf + "mlp.down_proj.weight", ours + "mlp.down_proj", 0, (h, i)),
             ]
-    plan.append(WeightSlot("model.norm.weight", "norm.weight", 0, (h,)))
+    plan.append(WeightSlot(prefix + "norm.weight", "norm.weight", 0, (h,)))
     if not base.tie_word_embeddings:
         plan.append(WeightSlot("lm_head.weight", "lm_head", 0, (v, h)))
     return plan
@@ -264,18 +251,31 @@ def _linear_slots(config: HybridConfig, hf: str, ours: str) -> list[WeightSlot]:
     c, h = config.linear, config.base.hidden_size
     hv = c.num_value_heads
     return [
-        WeightSlot(
-            hf + "in_proj_qkvz.weight",
-            ours + "in_proj_qkvz",
-            0,
-            (2 * c.key_dim + 2 * c.value_dim, h),
-        ),
-        WeightSlot(hf + "in_proj_ba.weight", ours + "in_proj_ba", 0, (2 * hv, h)),
+        *_in_proj_slots(config, hf, ours),
         WeightSlot(hf + "conv1d.weight", ours + "conv1d_weight", 0, (c.conv_dim, 1, c.conv_kernel)),
         WeightSlot(hf + "dt_bias", ours + "dt_bias", 0, (hv,)),
         WeightSlot(hf + "A_log", ours + "A_log", 0, (hv,)),
         WeightSlot(hf + "norm.weight", ours + "norm_weight", 0, (c.value_head_dim,)),
         WeightSlot(hf + "out_proj.weight", ours + "out_proj", 0, (h, c.value_dim)),
+    ]
+
+
+def _in_proj_slots(config: HybridConfig, hf: str, ours: str) -> list[WeightSlot]:
+    """The Gated DeltaNet's input projections, in the two matrices `GatedDeltaNet` keeps
+    either way: Qwen3-Next stores them so (grouped by key head), Qwen3.5 as four flat
+    ones that land q|k|v then z, and b then a, in those rows."""
+    c, h = config.linear, config.base.hidden_size
+    hv, qkvz, ba = c.num_value_heads, ours + "in_proj_qkvz", ours + "in_proj_ba"
+    if config.grouped_projections:
+        return [
+            WeightSlot(hf + "in_proj_qkvz.weight", qkvz, 0, (2 * c.key_dim + 2 * c.value_dim, h)),
+            WeightSlot(hf + "in_proj_ba.weight", ba, 0, (2 * hv, h)),
+        ]
+    return [
+        WeightSlot(hf + "in_proj_qkv.weight", qkvz, 0, (c.conv_dim, h)),
+        WeightSlot(hf + "in_proj_z.weight", qkvz, c.conv_dim, (c.value_dim, h)),
+        WeightSlot(hf + "in_proj_b.weight", ba, 0, (hv, h)),
+        WeightSlot(hf + "in_proj_a.weight", ba, hv, (hv, h)),
     ]
 
 
