@@ -147,6 +147,22 @@ def corpus_files(root: Path) -> list[tuple[Path, str]]:
     return sorted(found, key=lambda item: item[1])
 
 
+def reading_order(
+    files: list[tuple[Path, str, bool]], context: int, max_tokens: int | None
+) -> list[tuple[tuple[Path, str, bool], int, int | None]]:
+    """(file, first token, end token or None) in the order the corpus is read.
+
+    Without a token budget: every file whole, in path order. With one, a budget read in
+    path order would be spent on the first few files of one folder (the standard
+    library's 32k tokens: `LICENSE.txt`, `__future__.py`, ...), so the files come in a
+    stable pseudo-random order (a hash of the path, the same on every machine) and each
+    gives its first window of `context` tokens before any gives a second."""
+    if max_tokens is None:
+        return [(f, 0, None) for f in files]
+    shuffled = sorted(files, key=lambda f: hashlib.sha256(b"order\0" + f[1].encode()).digest())
+    return [(f, 0, context) for f in shuffled] + [(f, context, None) for f in shuffled]
+
+
 def head_tensor(config: Any) -> str:
     """The checkpoint name of the head: the embedding matrix when tied."""
     return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
@@ -177,21 +193,25 @@ def count_argmax(
     splits = {held: SplitCounts(torch.zeros(vocab, dtype=torch.int64)) for held in (False, True)}
     skipped: list[str] = []
     budget = max_tokens
-    for path, relative, held in files:
+    counted: set[str] = set()
+    for (path, relative, held), first, last in reading_order(files, context, max_tokens):
         if budget is not None and budget <= 0:
             break
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
-            skipped.append(relative)
+            if first == 0:  # named once, on its first read
+                skipped.append(relative)
             continue
-        ids = tokenizer.encode(text, add_special_tokens=False)[:budget]
+        ids = tokenizer.encode(text, add_special_tokens=False)[first:last][:budget]
         if budget is not None:
             budget -= len(ids)
         if not ids:
             continue
         split = splits[held]
-        split.files += 1
+        if relative not in counted:
+            counted.add(relative)
+            split.files += 1
         for start in range(0, len(ids), context):
             window = ids[start : start + context]
             top = sequence_logits(loaded, window, runtime).argmax(dim=-1)  # [len(window)]

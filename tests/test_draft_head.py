@@ -422,3 +422,22 @@ def test_bad_input_fails_with_one_clean_line(model, extra, problem, corpus, tmp_
     assert err.startswith("ninfer draft-head: error: ") and err.count("\n") == 1
     assert re.search(problem, err), err
     assert not (tmp_path / "o.ninfer").exists()
+
+
+def test_a_token_budget_reads_first_windows_across_the_corpus():
+    """With --max-tokens, every file gives its first window before any gives a second,
+    in an order that is not the folder's (a budget read in path order went to a few
+    files of one folder); without, every file whole, in path order."""
+    from ninfer_core.draft_head_build import reading_order
+
+    files = [(Path(f"f{i:02d}.py"), f"f{i:02d}.py", False) for i in range(20)]
+    whole = reading_order(files, 100, None)
+    assert whole == [(f, 0, None) for f in files]
+    budgeted = reading_order(files, 100, 500)
+    firsts, rests = budgeted[:20], budgeted[20:]
+    assert all((a, b) == (0, 100) for _, a, b in firsts)
+    assert all((a, b) == (100, None) for _, a, b in rests)
+    assert sorted(f for f, _, _ in firsts) == files  # each file once per pass
+    assert [f for f, _, _ in firsts] != files  # not path order
+    assert [f for f, _, _ in firsts] == [f for f, _, _ in rests]
+    assert reading_order(list(reversed(files)), 100, 500) == budgeted  # stable

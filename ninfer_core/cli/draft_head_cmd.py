@@ -60,7 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"tokens per window the target runs over (default: {DEFAULT_CONTEXT})",
     )
     b.add_argument(
-        "--max-tokens", type=int, metavar="M", help="stop after M corpus tokens (default: all)"
+        "--max-tokens",
+        type=int,
+        metavar="M",
+        help="stop after M corpus tokens, every file's first window before any second "
+        "(default: all, in path order)",
     )
     b.add_argument("--json", action="store_true", help="print the report as JSON")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
