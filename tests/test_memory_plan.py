@@ -383,6 +383,30 @@ def test_plan_cli_table(qwen3_8b_folder, capsys, host):
     assert "\n".join(out[1:]) == render_table(plan_8b(host, memory=memory, kv_capacity="auto"))
 
 
+def test_plan_for_a_recipe_counts_the_converted_sizes(qwen3_8b_folder, capsys):
+    """`--recipe q4` on a bf16 folder: every matrix at 4 bits plus an fp16 scale per 64
+    weights, every 1-D tensor at fp16, counted from the folder's safetensors header."""
+    with open(qwen3_8b_folder / "model.safetensors", "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+    want = 0
+    for entry in header.values():
+        shape = entry["shape"]
+        if len(shape) == 2:
+            want += shape[0] * shape[1] // 2 + shape[0] * (shape[1] // 64) * 2
+        else:
+            want += shape[0] * 2
+    args = ["plan", str(qwen3_8b_folder), "--device-spec", "rtx3090", "--max-context", "32768",
+            "--json"]  # fmt: skip
+    assert main([*args, "--recipe", "q4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["weights_bytes"] == want and data["weights_dtype"] == "fp16, q4 recipe"
+    assert main([*args, "--recipe", "bf16"]) == 0  # dense: as without a recipe
+    assert json.loads(capsys.readouterr().out)["weights_bytes"] == 16_381_470_720
+    assert main([*args, "--recipe", "q3"]) == 1
+    assert "known quantization recipes: bf16, mixed, q4, q6, w8" in capsys.readouterr().err
+
+
 def test_plan_cli_json(qwen3_8b_folder, capsys, host):
     args = ["plan", str(qwen3_8b_folder), "--device-spec", "rtx3090", "--max-context", "32768",
             "--kv-dtype", "rk8v4", "--max-concurrency", "2", "--kv-capacity", "40000",

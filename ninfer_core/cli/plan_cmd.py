@@ -33,6 +33,7 @@ from ninfer_core.memory.table import render_json, render_table
 from ninfer_core.memory.workspace import estimate_workspace
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.plugin_types import Artifact, KVCodec
+from ninfer_core.quant.recipes import recipe
 from ninfer_core.spec.config import SpecConfig
 from ninfer_core.spec.types import DraftMemory
 
@@ -50,6 +51,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(p, EngineConfig, skip=ENGINE_SKIP)
     add_config_arguments(p, SpecConfig)
     add_config_arguments(p, MemoryConfig)
+    p.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="plan the weights as `ninfer convert --recipe NAME` would store them "
+        "(a conversion not yet made; see `ninfer convert --help` for the names)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
@@ -178,12 +185,16 @@ def make_plan(
         concurrency=engine.max_concurrency,
         block_size=engine.block_size,
     )
+    # `ninfer plan --recipe`; serve plans what it loads (its namespace has no recipe)
+    name = vars(ns).get("recipe")
+    planned = recipe(name) if name else None
     plan = plan_memory(
         config,
         weights_bytes=weights_bytes(
-            config, dtype, artifact=artifact, packed_bytes=packed, family=family
+            config, dtype, artifact=artifact, packed_bytes=packed, family=family, recipe=planned
         ),
-        weights_dtype={v: k for k, v in DTYPES.items()}[dtype],
+        weights_dtype={v: k for k, v in DTYPES.items()}[dtype]
+        + (f", {planned.name} recipe" if planned else ""),
         codec=codec,
         memory=device_memory(device, memory_budget=memory_cfg.memory_budget),
         workspace=workspace,
