@@ -9,7 +9,15 @@ from torch import nn
 
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.decode_graph import dense_decode_graph
-from ninfer_core.model.layers import DecoderLayer, RMSNorm, empty_param, held_bytes
+from ninfer_core.model.layers import (
+    DecoderLayer,
+    RMSNorm,
+    embed_rows,
+    empty_param,
+    held_bytes,
+    pack_params,
+    pack_weight,
+)
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
 from ninfer_core.quant.tensor import QuantizedTensor
@@ -55,29 +63,24 @@ class DenseDecoder(nn.Module):
     def weight_bytes(self) -> int:
         return held_bytes(self)
 
-    def _pack(self, w):
-        if isinstance(w, QuantizedTensor):  # the weight does not say the compute dtype
-            return self.ops.pack_linear(w, dtype=self.dtype)
-        return self.ops.pack_linear(w)
-
     def pack_weights(self) -> None:
         """Hand every projection to the backend's `pack_linear`, once, after loading.
 
         A tied head is packed as its own copy: the embedding lookup needs the plain
         matrix, the head GEMM the packed one.
         """
-        for layer in self.layers:
+        owners = [
+            (module, name)
+            for layer in self.layers
             for module, name in (
                 (layer.self_attn, "qkv_proj"),
                 (layer.self_attn, "o_proj"),
                 (layer.mlp, "gate_up_proj"),
                 (layer.mlp, "down_proj"),
-            ):
-                packed = self._pack(getattr(module, name))
-                if packed is not getattr(module, name):
-                    module._parameters.pop(name, None)
-                    setattr(module, name, packed)
-        packed = self._pack(self.head_weight)
+            )
+        ]
+        pack_params(owners, self.ops, self.dtype)
+        packed = pack_weight(self.ops, self.head_weight, self.dtype)
         if packed is not self.head_weight:
             self.packed_head = packed
             if self.lm_head is not None:  # untied: the packed head replaces the plain one
@@ -107,9 +110,7 @@ class DenseDecoder(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> the residual stream's first values [T, hidden], fp32."""
-        if isinstance(self.embed_tokens, QuantizedTensor):
-            return self.embed_tokens.embedding(input_ids, torch.float32)  # only these rows
-        return self.embed_tokens[input_ids].float()
+        return embed_rows(self.embed_tokens, input_ids)
 
     def decode_graph(self, input_ids, positions, kv_store, block_table, context):
         """One decode token per sequence, capturable whole (`model/decode_graph.py`)."""

@@ -7,13 +7,15 @@ that read the same input are fused at load time (q|k|v into `qkv_proj`, gate|up 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import KernelOps
+from ninfer_core.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
     from ninfer_core.model.attention_meta import AttentionMetadata
@@ -145,3 +147,32 @@ def held_bytes(model: torch.nn.Module) -> int:
                 continue
             seen.add(id(value))
     return total
+
+
+def pack_weight(ops: KernelOps, w: Any, dtype: torch.dtype) -> Any:
+    """`ops.pack_linear(w)`, telling it the compute dtype when the weight cannot say it
+    (a quantized one)."""
+    if isinstance(w, QuantizedTensor):
+        return ops.pack_linear(w, dtype=dtype)
+    return ops.pack_linear(w)
+
+
+def pack_params(
+    owners: Iterable[tuple[nn.Module, str]], ops: KernelOps, dtype: torch.dtype
+) -> None:
+    """Replace each `(module, name)` weight by what the backend packs it into, once after
+    loading; a packed weight is no longer a parameter (it may not be a tensor at all)."""
+    for module, name in owners:
+        weight = getattr(module, name)
+        packed = pack_weight(ops, weight, dtype)
+        if packed is not weight:
+            module._parameters.pop(name, None)
+            setattr(module, name, packed)
+
+
+def embed_rows(embed_tokens: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids: [T] -> the residual stream's first values [T, hidden], fp32; a quantized
+    embedding dequantizes only these rows."""
+    if isinstance(embed_tokens, QuantizedTensor):
+        return embed_tokens.embedding(input_ids, torch.float32)
+    return embed_tokens[input_ids].float()

@@ -30,7 +30,7 @@ from torch import nn
 from ninfer_core.errors import ModelLoadError
 from ninfer_core.model.config import LIMITS
 from ninfer_core.model.config_fields import FieldReader
-from ninfer_core.model.layers import empty_param
+from ninfer_core.model.layers import empty_param, pack_params
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.weights import WeightSlot
 from ninfer_core.quant.tensor import QuantizedTensor
@@ -130,13 +130,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
-def _pack(ops: KernelOps, w: Any, dtype: torch.dtype) -> Any:
-    """`pack_linear`, telling it the compute dtype when the weight cannot (quantized)."""
-    if isinstance(w, QuantizedTensor):
-        return ops.pack_linear(w, dtype=dtype)
-    return ops.pack_linear(w)
-
-
 class SwiGLU(nn.Module):
     """One expert: down(silu(gate(x)) * up(x)), gate|up fused as in the dense `MLP`."""
 
@@ -225,12 +218,7 @@ class SparseMoE(nn.Module):
             owners += [(expert, "gate_up_proj"), (expert, "down_proj")]
         if self.shared_expert is not None:
             owners.append((self, "shared_expert_gate"))
-        for module, name in owners:
-            weight = getattr(module, name)
-            packed = _pack(self.ops, weight, self.dtype)
-            if packed is not weight:
-                module._parameters.pop(name, None)
-                setattr(module, name, packed)
+        pack_params(owners, self.ops, self.dtype)
 
     def _swiglus(self) -> list[SwiGLU]:
         shared = [] if self.shared_expert is None else [self.shared_expert]

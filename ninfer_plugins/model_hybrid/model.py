@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ninfer_core.model.layers import empty_param, held_bytes
+from ninfer_core.model.layers import embed_rows, empty_param, held_bytes, pack_params, pack_weight
 from ninfer_core.model.moe import SparseMoE, SwiGLU, moe_slots
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
@@ -133,19 +133,12 @@ class HybridDecoder(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> the residual stream's first values [T, hidden], fp32."""
-        if isinstance(self.embed_tokens, QuantizedTensor):
-            return self.embed_tokens.embedding(input_ids, torch.float32)
-        return self.embed_tokens[input_ids].float()
+        return embed_rows(self.embed_tokens, input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32
         head = self.packed_head if self.packed_head is not None else self.head_weight
         return self.ops.linear(hidden, head).float()
-
-    def _pack(self, w: Any) -> Any:
-        if isinstance(w, QuantizedTensor):  # the weight does not say the compute dtype
-            return self.ops.pack_linear(w, dtype=self.dtype)
-        return self.ops.pack_linear(w)
 
     def pack_weights(self) -> None:
         """Once after loading: every projection through the backend's `pack_linear`
@@ -165,13 +158,8 @@ class HybridDecoder(nn.Module):
                 layer.mlp.pack_weights()
             else:
                 owners += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
-            for module, name in owners:
-                weight = getattr(module, name)
-                packed = self._pack(weight)
-                if packed is not weight:
-                    module._parameters.pop(name, None)
-                    setattr(module, name, packed)
-        packed = self._pack(self.head_weight)
+            pack_params(owners, self.ops, self.dtype)
+        packed = pack_weight(self.ops, self.head_weight, self.dtype)
         if packed is not self.head_weight:
             self.packed_head = packed
             if self.lm_head is not None:
