@@ -15,7 +15,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
+from serve_fixtures import MODEL_ID, frontends_host, make_state, serving, write_serve_model
+
+import ninfer_plugins.frontend_responses as frontend_responses
 
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
@@ -23,6 +25,7 @@ OPERATIONS = [
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
+    ("POST", "/v1/responses"),
 ]
 #: Valid bodies and (schemathesis' negative mode) invalid ones; GET /v1/models takes no input
 #: to make invalid.
@@ -37,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("schemathesis-model")),
                        max_context=256, kv_capacity=1024)  # fmt: skip
-    with serving(state) as srv:
+    with serving(state, frontends_host(("frontend-responses", frontend_responses))) as srv:
         yield srv
 
 

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 class OpenAIFrontend:
     name = "openai"
     description = "OpenAI API: /v1/chat/completions, /v1/completions, /v1/models"
-    #: Every /v1 path not claimed by a more specific frontend answers errors in OpenAI's shape.
-    error_paths = ("/v1",)
+    #: Every /v1 path not claimed by a more specific frontend answers errors in OpenAI's shape,
+    #: and so do the same routes without `/v1` (clients configured with a bare base URL).
+    error_paths = ("/v1", "/chat/completions", "/completions", "/models")
 
     def supports(self, device: DeviceInfo) -> Support:
         return Support.yes()

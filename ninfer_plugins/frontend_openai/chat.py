@@ -11,7 +11,6 @@ when asked for (`stream_options.include_usage`), a last chunk with the usage. A 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from litestar import Request, Response, post
@@ -23,7 +22,6 @@ from ninfer_core.engine.request import FinishEvent, GenerationEvent
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text.tool_calls import ToolCall
-from ninfer_core.text.tool_choice import call_opening, with_opening
 from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.common import (
     StreamExtras,
@@ -38,24 +36,14 @@ from ninfer_plugins.frontend_openai.common import (
     sse,
     usage,
 )
-from ninfer_plugins.frontend_openai.conversation import (
-    forced_call,
-    template_kwargs,
-    template_messages,
-    template_tools,
-)
 from ninfer_plugins.frontend_openai.output import ChatOutput, Piece
+from ninfer_plugins.frontend_openai.prompt import chat_prompt
 
 
 def finish_reason(reason: str, calls: list[ToolCall]) -> str:
     if reason == "stop" and calls:
         return "tool_calls"
     return reason if reason in ("stop", "length") else "stop"
-
-
-def thinking_open(state: ServeState, prompt: list[int]) -> bool:
-    """Whether the template opened a `<think>` block the answer starts inside."""
-    return state.tokenizer.decode(prompt[-4:]).rstrip().endswith("<think>")
 
 
 def out_calls(calls: list[ToolCall]) -> list[wire.ToolCallOut] | None:
@@ -66,7 +54,7 @@ def out_calls(calls: list[ToolCall]) -> list[wire.ToolCallOut] | None:
 
 def route_handlers(state: ServeState) -> list:
     @post(
-        "/v1/chat/completions",
+        ["/v1/chat/completions", "/chat/completions"],
         status_code=200,
         summary="Create a chat completion",
         responses={
@@ -85,27 +73,14 @@ def route_handlers(state: ServeState) -> list:
             raise refuse("logprobs", "log probabilities are not supported by this server")
         if data.response_format is not None and data.response_format.type != "text":
             raise refuse("response_format", "only 'text' (decoding is not constrained here)")
-        messages = template_messages(data.messages)
-        tools, parse_tools = template_tools(data)
-        kwargs = template_kwargs(data)
-        opening = call_opening(state.template, forced_call(data))
-
-        def build() -> list[int]:
-            return with_opening(state.tokenizer, state.render(messages, tools, **kwargs), opening)
-
-        # Rendering and tokenizing a long conversation takes a while: off the event loop,
-        # so /health and the other streams keep going meanwhile.
-        prompt = await asyncio.to_thread(build)
+        prompt = await chat_prompt(state, data)
         budget = (
             data.max_completion_tokens
             if data.max_completion_tokens is not None
             else (data.max_tokens)
         )
-        gen = generation_request(state, data, prompt, budget, scope=request.scope)
-        output = ChatOutput(
-            tools if parse_tools else None, thinking_open=thinking_open(state, prompt)
-        )
-        output.feed(opening)  # the prefilled start of a forced call: held, nothing to send
+        gen = generation_request(state, data, prompt.ids, budget, scope=request.scope)
+        output = prompt.output
         events = state.generate(gen)
         rid, created = new_id("chatcmpl"), now()
         if data.stream:

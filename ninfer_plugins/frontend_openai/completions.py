@@ -61,7 +61,7 @@ def finish_reason(reason: str) -> str:
 
 def route_handlers(state: ServeState) -> list:
     @post(
-        "/v1/completions",
+        ["/v1/completions", "/completions"],
         status_code=200,
         summary="Create a text completion",
         responses={

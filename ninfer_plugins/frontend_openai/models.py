@@ -14,12 +14,16 @@ def route_handlers(state: ServeState) -> list:
     def model() -> wire.Model:
         return wire.Model(state.options.model_id, state.created, max_model_len=state.max_context)
 
-    @get("/v1/models", sync_to_thread=False, summary="List the models")
+    @get(["/v1/models", "/models"], sync_to_thread=False, summary="List the models")
     def list_models() -> wire.ModelList:
         return wire.ModelList([model()])
 
     # `path`: model ids often hold a slash ("Qwen/Qwen3-8B").
-    @get("/v1/models/{model_id:path}", sync_to_thread=False, summary="Retrieve a model")
+    @get(
+        ["/v1/models/{model_id:path}", "/models/{model_id:path}"],
+        sync_to_thread=False,
+        summary="Retrieve a model",
+    )
     def retrieve_model(model_id: FromPath[str]) -> wire.Model:
         model_id = model_id.lstrip("/")
         if model_id != state.options.model_id:

@@ -1,0 +1,216 @@
+"""`POST /v1/responses` and `GET` / `DELETE /v1/responses/{id}` (also without `/v1`).
+
+A request becomes the chat request it amounts to (`convert.py`, with the stored conversation
+of `previous_response_id` in front), so the prompt is the one chat completions would build;
+the answer goes through the chat frontend's parser and `ItemAssembler` into output items.
+Streaming sends `response.created` and `response.in_progress`, the items' events as they
+form, then `response.completed` (or `response.incomplete` when `max_output_tokens` cut it
+off), every event with its `type` and `sequence_number`. A failure after the stream started
+is an `error` event followed by `response.failed`. The stream waits for the engine's first
+event before answering, so a full queue still gets its 429.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.openapi import ResponseSpec
+from litestar.params import FromPath, JSONBody
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+
+from ninfer_core.engine.request import FinishEvent, GenerationEvent
+from ninfer_core.serve.errors import ApiError
+from ninfer_core.serve.limits import until_disconnect
+from ninfer_core.serve.state import ServeState
+from ninfer_plugins.frontend_openai.common import (
+    check_model,
+    collect,
+    first_event,
+    generation_request,
+    now,
+)
+from ninfer_plugins.frontend_openai.errors import error_body
+from ninfer_plugins.frontend_openai.output import ChatOutput
+from ninfer_plugins.frontend_openai.prompt import chat_prompt
+from ninfer_plugins.frontend_responses import convert, wire
+from ninfer_plugins.frontend_responses.items import Event, ItemAssembler, new_id
+from ninfer_plugins.frontend_responses.store import ResponseStore
+
+PATHS = ["/v1/responses", "/responses"]
+ITEM_PATHS = ["/v1/responses/{response_id:str}", "/responses/{response_id:str}"]
+
+
+@dataclass
+class Run:
+    """One response in the making: the request's echo, the parser and the items so far."""
+
+    state: ServeState
+    store: ResponseStore
+    data: wire.ResponsesRequest
+    response: wire.ResponseObject
+    output: ChatOutput
+    #: The conversation before this response's output (stored with it).
+    items: list[wire.InputItem]
+    assembler: ItemAssembler = field(default_factory=ItemAssembler)
+
+    def feed(self, text: str) -> list[Event]:
+        return self.assembler.piece(self.output.feed(text))
+
+    def finish(self, finish: FinishEvent) -> list[Event]:
+        """The last events; `response` is complete afterwards (and stored if asked)."""
+        incomplete = finish.reason == "length"
+        events = self.assembler.piece(self.output.finish())
+        events += self.assembler.finish("incomplete" if incomplete else "completed")
+        r = self.response
+        r.output = self.assembler.items
+        r.status = "incomplete" if incomplete else "completed"
+        if incomplete:
+            r.incomplete_details = wire.IncompleteDetails("max_output_tokens")
+        r.completed_at = now()
+        r.usage = self.usage(finish)
+        if self.data.store:
+            self.store.put(r, [*self.items, *convert.output_as_input(r.output)])
+        return events
+
+    def usage(self, finish: FinishEvent) -> wire.ResponseUsage:
+        u = finish.usage
+        reasoning = self.assembler.reasoning
+        # Reasoning and answer share tokens at their seam; counting the text is near enough.
+        thought = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False))
+        return wire.ResponseUsage(
+            input_tokens=u.prompt_tokens,
+            output_tokens=u.completion_tokens,
+            total_tokens=u.prompt_tokens + u.completion_tokens,
+            input_tokens_details=wire.InputTokensDetails(cached_tokens=u.cached_tokens),
+            output_tokens_details=wire.OutputTokensDetails(
+                reasoning_tokens=min(thought, u.completion_tokens)
+            ),
+        )
+
+
+def route_handlers(state: ServeState, store: ResponseStore) -> list:
+    @post(
+        PATHS,
+        status_code=200,
+        summary="Create a model response",
+        responses={
+            200: ResponseSpec(
+                wire.ResponseObject,
+                description="the response, or with stream=true an event stream",
+            )
+        },
+    )
+    async def create_response(
+        request: Request, data: JSONBody[wire.ResponsesRequest]
+    ) -> Response | ServerSentEvent:
+        model = check_model(state, data.model)
+        convert.check_request(data)
+        history: list[wire.InputItem] = []
+        if data.previous_response_id is not None:
+            history = store.get(data.previous_response_id, param="previous_response_id").items
+        new = convert.input_items(data.input)
+        messages = convert.chat_messages([*history, *new], offset=-len(history))
+        chat = convert.chat_request(data, messages)
+        try:
+            prompt = await chat_prompt(state, chat)
+            gen = generation_request(
+                state, chat, prompt.ids, data.max_output_tokens, scope=request.scope
+            )
+        except ApiError as exc:
+            raise convert.renamed(exc) from None
+        run = Run(
+            state,
+            store,
+            data,
+            skeleton(data, model, gen.params.temperature, gen.params.top_p),
+            prompt.output,
+            [*history, *new],
+        )
+        events = state.generate(gen)
+        if data.stream:
+            first = await first_event(request, events)
+            return ServerSentEvent(stream(first, events, run))
+        finish = await until_disconnect(request, collect(events, run.feed))
+        run.finish(finish)
+        return Response(run.response)
+
+    @get(ITEM_PATHS, sync_to_thread=False, summary="Retrieve a stored model response")
+    def retrieve_response(response_id: FromPath[str]) -> wire.ResponseObject:
+        return store.get(response_id).response
+
+    @delete(ITEM_PATHS, status_code=200, sync_to_thread=False, summary="Delete a model response")
+    def delete_response(response_id: FromPath[str]) -> wire.DeletedResponse:
+        store.get(response_id)  # a 404 when unknown
+        store.delete(response_id)
+        return wire.DeletedResponse(response_id)
+
+    return [create_response, retrieve_response, delete_response]
+
+
+def skeleton(
+    data: wire.ResponsesRequest, model: str, temperature: float, top_p: float
+) -> wire.ResponseObject:
+    """The response as `response.created` shows it: the request echoed, no output yet."""
+    return wire.ResponseObject(
+        id=new_id("resp"),
+        created_at=now(),
+        model=model,
+        status="in_progress",
+        output=[],
+        instructions=data.instructions,
+        max_output_tokens=data.max_output_tokens,
+        metadata=dict(data.metadata or {}),
+        parallel_tool_calls=data.parallel_tool_calls is not False,
+        previous_response_id=data.previous_response_id,
+        reasoning=wire.ReasoningOut(
+            data.reasoning.effort if data.reasoning else None,
+            data.reasoning.summary if data.reasoning else None,
+        ),
+        store=data.store,
+        temperature=temperature,
+        top_p=top_p,
+        tool_choice=msgspec.to_builtins(data.tool_choice) if data.tool_choice else "auto",
+        tools=msgspec.to_builtins(data.tools or []),
+        truncation=data.truncation or "disabled",
+        user=data.user,
+    )
+
+
+async def stream(
+    first: GenerationEvent, events: AsyncIterator[GenerationEvent], run: Run
+) -> AsyncIterator[ServerSentEventMessage]:
+    numbers = itertools.count()
+
+    def sse(kind: str, fields: dict) -> ServerSentEventMessage:
+        body = {"type": kind, "sequence_number": next(numbers), **fields}
+        return ServerSentEventMessage(data=msgspec.json.encode(body).decode(), event=kind)
+
+    try:
+        yield sse("response.created", {"response": run.response})
+        yield sse("response.in_progress", {"response": run.response})
+        event = first
+        while not isinstance(event, FinishEvent):
+            for kind, fields in run.feed(event.text):
+                yield sse(kind, fields)
+            event = await anext(events)
+        for kind, fields in run.finish(event):
+            yield sse(kind, fields)
+        done = (
+            "response.incomplete" if run.response.status == "incomplete" else "response.completed"
+        )
+        yield sse(done, {"response": run.response})
+    except ApiError as exc:
+        shaped = error_body(exc)["error"]
+        code = shaped["code"] or shaped["type"]
+        yield sse("error", {"code": code, "message": exc.message, "param": exc.param})
+        run.response.status = "failed"
+        run.response.output = run.assembler.items
+        run.response.error = wire.ResponseError(code, exc.message)
+        yield sse("response.failed", {"response": run.response})
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
