@@ -143,6 +143,21 @@ class WriteLayers(Protocol):
         ...
 
 
+class SavePages(Protocol):
+    def __call__(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Raw copies of pages `blocks` ([n] int64) of every layer, exactly as stored
+        (codes and scales for a quantized store), on the store's device: what
+        `load_pages` puts back bit for bit. The engine counts their bytes."""
+        ...
+
+
+class LoadPages(Protocol):
+    def __call__(self, blocks: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> None:
+        """Overwrite pages `blocks` ([n] int64, possibly others than were saved) of every
+        layer with what `save_pages` returned for as many pages."""
+        ...
+
+
 class DecodeGraph(Protocol):
     def __call__(
         self,
@@ -283,6 +298,10 @@ class CausalLM(Protocol):
     #: sequence) as one function `torch.compile` can capture whole
     #: (`ninfer_core/engine/compiled_step.py`).
     decode_graph: DecodeGraph | None = None
+    #: None: the model's MTP layer, if its artifact has one, is a dense decoder layer
+    #: (what a draft strategy builds by default). Otherwise its family's `mtp_layer`,
+    #: kept on the model for whoever holds only the loaded model (`DraftTarget.model`).
+    mtp_layer: MTPLayerKind | None = None
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold, packed copies included, each object counted once."""
@@ -316,6 +335,85 @@ class ModelFamily(Plugin, Protocol):
     #: None: the model holds every tensor of the artifact, each as stored (what the memory
     #: plan counts). A family that fuses, skips or ties tensors says which it holds.
     weight_slots: WeightSlots | None = None
+    #: None: a multi-token-prediction layer in its checkpoints, if any, is one dense
+    #: decoder layer (Qwen3-Next / DeepSeek-V3 naming; the `mtp` draft strategy's default).
+    #: Otherwise the family's own MTP layer: its tensors and what computes it.
+    mtp_layer: MTPLayerKind | None = None
+
+
+@runtime_checkable
+class MTPBlock(Protocol):
+    """A model's multi-token-prediction layer as built (a `torch.nn.Module`), for a draft
+    strategy to run with the target's kernels (`ninfer_plugins.draft_mtp`).
+
+    At position t it reads the target's final-normed hidden state h_t and the embedding of
+    token t + 1 and returns its own final-normed output, which the target's head turns into
+    logits for token t + 2: `norm(layer(fc(concat(norm_e(embed), norm_h(h)))))`. Its one
+    attention layer is layer 0 of a paged K/V store of its own, of the target's KV geometry
+    (`num_kv_heads` x `head_dim`); embedding, RoPE and head are the target's."""
+
+    config: ModelConfig
+    #: The compute dtype.
+    dtype: torch.dtype
+    ops: KernelOps
+
+    def load(self, artifact: Artifact) -> str:
+        """Fill every weight from `artifact` (checked first) and pack the projections;
+        returns the naming found, for messages."""
+        ...
+
+    def embed_input(self, embeds: torch.Tensor) -> torch.Tensor:
+        """embeds: [T, hidden] (the target's embedding of token t + 1) -> the normed
+        embedding `forward` reads, [T, hidden] in the compute dtype. A function of the token
+        alone, so a drafter may keep it as a table."""
+        ...
+
+    def forward(
+        self,
+        embed_input: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_store: KVStore,
+    ) -> torch.Tensor:
+        """embed_input: [T, hidden] (`embed_input`'s), hidden: [T, hidden] (the target's
+        final-normed hidden at t, or this layer's own output), cos, sin: the target's RoPE
+        at t -> [T, hidden] after the final norm; writes the T entries' K/V into layer 0 of
+        `kv_store` at `meta.slot_mapping` (`ops.prepare(meta)` done)."""
+        ...
+
+
+@runtime_checkable
+class MTPLayerKind(Protocol):
+    """How a family's checkpoints keep their multi-token-prediction layer, and what builds
+    it (`ModelFamily.mtp_layer`). Asked from the artifact's headers before anything loads
+    (the memory plan), at startup (whether the artifact has the layer) and to build it.
+
+    `artifact` is one whose MTP tensors are listed (a `.ninfer` file opened with its `mtp`
+    component: `ninfer_core.loading.with_components`)."""
+
+    def weight_slots(self, config: ModelConfig, artifact: Artifact) -> list[WeightSlot]:
+        """Every tensor of `artifact`'s MTP layer and the `MTPBlock` parameter it fills,
+        each checked: `LookupError` when the artifact has no MTP layer at all (the message
+        names the tensor looked for), `ModelLoadError` naming the first tensor missing or
+        misshapen."""
+        ...
+
+    def weights_bytes(
+        self,
+        config: ModelConfig,
+        artifact: Artifact,
+        dtype: torch.dtype,
+        packed_bytes: PackedBytes | None = None,
+    ) -> int:
+        """Bytes the loaded, packed `MTPBlock` will hold in `dtype`, from the headers
+        alone (`packed_bytes` as for `DraftStrategy.memory`); raises as `weight_slots`."""
+        ...
+
+    def build(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype) -> MTPBlock:
+        """An `MTPBlock` with uninitialised weights on `ops.device`; fill it with `load`."""
+        ...
 
 
 # --------------------------------------------------------------------------
@@ -362,6 +460,11 @@ class KVStore(Protocol):
     #: compute-dtype output while decoding (codes, fp32 temporaries): what `ninfer plan`'s
     #: workspace estimate counts for it.
     gather_scratch_bytes: int | None = None
+    #: None: the prefix cache of a model with state layers resumes only at block
+    #: boundaries (`engine/state_snapshots.py`). Both set: it also snapshots a partly
+    #: filled page, so a prompt shorter than a block can resume from its own earlier run.
+    save_pages: SavePages | None = None
+    load_pages: LoadPages | None = None
 
 
 @runtime_checkable
@@ -525,7 +628,12 @@ class DraftStrategy(Plugin, Protocol):
         projection into, None where it packs nothing), fixed tables, and per-token K/V in
         `codec`. The startup memory plan (`ninfer plan`, `ninfer-serve`) counts it before
         the target loads; an artifact that lacks what the strategy needs raises an
-        `NInferError` saying what, as `supports_model` would refuse."""
+        `NInferError` saying what, as `supports_model` would refuse.
+
+        It may also take `family` (the `ModelFamily` that builds the target, for a drafter
+        shaped by the family: its `mtp_layer`). Declare it `*, family=None`: the planner
+        passes it by name, and only to a `memory` whose signature takes it, so a strategy
+        written before the argument existed keeps working."""
         ...
 
 

@@ -22,6 +22,10 @@ from ninfer_core.support import Support
 class DenseFamily:
     """Qwen3 and Llama differ, for us, only in whether q and k are normalised per head."""
 
+    #: Their MTP layer, when a checkpoint has one, is a dense decoder layer: the `mtp`
+    #: draft strategy's default.
+    mtp_layer = None
+
     def __init__(
         self, name: str, architectures: tuple[str, ...], qk_norm: bool, description: str
     ) -> None:

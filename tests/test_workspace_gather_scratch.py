@@ -30,6 +30,7 @@ class OldStore:
     gather_heads = None
     rotation = None
     write_layers = None
+    save_pages = load_pages = None
 
     def __init__(self, layout, device, compute_dtype) -> None:
         self.layout, self.device = layout, torch.device(device)

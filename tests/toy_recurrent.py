@@ -100,6 +100,7 @@ def _spans(meta) -> list[tuple[int, int]]:
 class ToyRecurrentLM(nn.Module):
     #: Every step runs `forward` (no capturable decode step).
     decode_graph = None
+    mtp_layer = None  # no MTP layer of its own
 
     def __init__(self, config: ModelConfig, ops, dtype, kinds, size) -> None:
         super().__init__()
@@ -143,6 +144,7 @@ class ToyRecurrentFamily:
     architectures = (ARCH,)
     check_artifact = None
     weight_slots = None  # it holds every tensor of the artifact, as stored
+    mtp_layer = None
 
     def supports(self, device) -> Support:
         return Support.yes()

@@ -32,13 +32,16 @@ from ninfer_core.memory.planner import (
 from ninfer_core.memory.table import render_json, render_table
 from ninfer_core.memory.workspace import estimate_workspace
 from ninfer_core.plugin_host import PluginHost
-from ninfer_core.plugin_types import Artifact, KVCodec
+from ninfer_core.plugin_types import Artifact, KVCodec, ModelFamily
 from ninfer_core.quant.recipes import recipe
 from ninfer_core.spec.config import SpecConfig
 from ninfer_core.spec.types import DraftMemory
 
 #: EngineConfig fields that do not change the memory plan (kv_capacity: MemoryConfig's).
-ENGINE_SKIP = ("max_pending_requests", "pending_timeout_ms", "kv_capacity", "prefix_cache")
+#: `--prefix-cache` does: a model with state layers keeps state snapshots for it.
+ENGINE_SKIP = (
+    "max_pending_requests", "pending_timeout_ms", "kv_capacity", "state_snapshot_interval"
+)  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,18 +111,30 @@ def _draft_memory(
     dtype: torch.dtype,
     codec: KVCodec,
     packed: PackedBytes | None,
+    family: ModelFamily | None = None,
 ) -> tuple[str, DraftMemory | None]:
     """The `--spec` strategy's name and what its drafter will hold ("", None: no
     speculation), asked of the strategy the engine will build (`DraftStrategy.memory`)
     from the headers alone. A name no plugin registers, a strategy the device refuses, or
-    one whose weights the artifact lacks fails here, before anything loads."""
-    from ninfer_core.selection import choose
+    one whose weights the artifact lacks fails here, before anything loads. `family` goes
+    to a `memory` that takes it (the contract grew it later)."""
+    from ninfer_core.selection import call_accepting, choose
 
     if not spec.enabled:
         return "", None
     name = choose(host, "draft_strategies", device, spec.spec).chosen
     strategy = host.draft_strategies.get(name)
-    return name, strategy.memory(artifact, config, spec.options, dtype, codec, packed_bytes=packed)
+    memory = call_accepting(
+        strategy.memory,
+        artifact,
+        config,
+        spec.options,
+        dtype,
+        codec,
+        packed_bytes=packed,
+        family=family,
+    )
+    return name, memory
 
 
 def _spec_config(ns: argparse.Namespace) -> SpecConfig:
@@ -167,7 +182,9 @@ def make_plan(
     # The linear kernel the load would choose for these weights (formats from the headers).
     workload = workload_for(artifact, dtype, codec_name)
     packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel, workload)
-    strategy, draft = _draft_memory(host, device, spec, artifact, config, dtype, codec, packed)
+    strategy, draft = _draft_memory(
+        host, device, spec, artifact, config, dtype, codec, packed, family
+    )
     context = engine.context_for(config.max_position_embeddings)
     if context < engine.max_context:
         # Sized and served for what the model can hold, never for what was asked.
@@ -206,6 +223,7 @@ def make_plan(
         caches=caches_for(family, config),
         draft=draft,
         draft_strategy=strategy,
+        state_snapshots=engine.snapshot_count,
     )
     about = {"model": str(path), "architecture": config.architecture}
     return plan, about

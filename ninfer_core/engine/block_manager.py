@@ -108,8 +108,9 @@ class BlockManager:
 
     # -- prefix cache ----------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> tuple[int, int]:
-        """(blocks of `seq`'s prompt found in the cache, how many of those are idle).
+    def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> tuple[int, int]:
+        """(blocks of `seq`'s prompt found in the cache, how many of those are idle), at
+        most `max_blocks` (None: no bound but the prompt's).
 
         At most all but the prompt's last token match, so a step still runs at least one
         prompt token and produces the logits of the first sampled token.
@@ -118,9 +119,12 @@ class BlockManager:
             return 0, 0
         if seq.prompt_hashes is None:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
-            seq.prompt_hashes = chain_hashes(prompt, self.block_size, self._root(seq))
+            seq.prompt_hashes = chain_hashes(prompt, self.block_size, self.root_for(seq))
+        limit = (seq.num_prompt_tokens - 1) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
         hits = idle = 0
-        for key in seq.prompt_hashes[: (seq.num_prompt_tokens - 1) // self.block_size]:
+        for key in seq.prompt_hashes[:limit]:
             block = self.cache.lookup(key)
             if block is None:
                 break
@@ -128,11 +132,12 @@ class BlockManager:
             idle += self.cache.is_idle(block)
         return hits, idle
 
-    def admit(self, seq: Sequence) -> int:
-        """Take the cached blocks of `seq`'s prompt as its first pages; returns tokens reused."""
+    def admit(self, seq: Sequence, max_blocks: int | None = None) -> int:
+        """Take the cached blocks of `seq`'s prompt (at most `max_blocks`) as its first
+        pages; returns tokens reused."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds KV blocks")
-        hits, _ = self.match_prefix(seq)
+        hits, _ = self.match_prefix(seq, max_blocks)
         for key in seq.prompt_hashes[:hits] if hits else ():
             block = self.cache.lookup(key)
             if self._refs[block] == 0:
@@ -152,7 +157,7 @@ class BlockManager:
             return
         keys = (seq.prompt_hashes or [])[start:full]
         done = seq.block_hashes + keys
-        root = self._root(seq)
+        root = self.root_for(seq)
         keys += chain_hashes(seq.token_ids, self.block_size, root, len(done), full, done)
         for i, key in enumerate(keys, start):
             seq.block_hashes.append(key)
@@ -162,8 +167,9 @@ class BlockManager:
             if self._keys[block] is None and self.cache.insert(key, block):
                 self._keys[block] = key
 
-    def _root(self, seq: Sequence) -> bytes:
-        """Where `seq`'s hash chain starts: the pool's root, salted by its request's salt."""
+    def root_for(self, seq: Sequence) -> bytes:
+        """Where `seq`'s hash chain starts: the pool's root, salted by its request's salt
+        (also the key of its empty prefix, under which short state snapshots are kept)."""
         return salted_root(self.cache.root, seq.cache_salt)
 
     # -- checks ----------------------------------------------------------------------------

@@ -26,14 +26,33 @@ class EngineConfig:
     kv_capacity: int = opt(0, "KV pool size in tokens, shared by all sequences; 0: max-context")
     block_size: int = opt(16, "tokens per KV cache block (page)")
     prefix_cache: bool = opt(True, "reuse the KV of full blocks shared with earlier requests")
+    state_snapshots: int = opt(
+        -1,
+        "a model with state layers (hybrid): snapshots of its states the prefix cache keeps "
+        "(docs/engine.md); -1: 2 x max-concurrency, 0: no prefix cache for such a model",
+    )
+    state_snapshot_interval: int = opt(
+        1024, "a hybrid model: snapshot a long prompt's states every this many tokens; 0: never"
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "prefill_chunk", "max_context", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_pending_requests", "pending_timeout_ms", "kv_capacity"):
+        for name in (
+            "max_pending_requests", "pending_timeout_ms", "kv_capacity", "state_snapshot_interval"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.state_snapshots < -1:
+            raise ValueError(f"state_snapshots must be >= -1, got {self.state_snapshots}")
+
+    @property
+    def snapshot_count(self) -> int:
+        """State snapshots a model with state layers keeps (0 with the prefix cache off)."""
+        if not self.prefix_cache:
+            return 0
+        return 2 * self.max_concurrency if self.state_snapshots < 0 else self.state_snapshots
 
     def context_for(self, model_max_positions: int) -> int:
         """The context the engine really serves: `max_context`, but never past the positions

@@ -63,7 +63,10 @@ from ninfer_core.engine.speculation import (
     apply_proposals,
     build_drafter,
     draft_input,
+    kept_end,
     max_drafts,
+    rewind_states,
+    settle_state,
     verify,
 )
 from ninfer_core.engine.stats import EngineCounters, StepOutcome
@@ -108,13 +111,16 @@ class Engine(StepThread):
         pool = RuntimeSpec.for_tokens(
             config.kv_capacity or self.max_context, config.block_size, kv_dtype=kv_dtype,
             prefix_cache=config.prefix_cache, max_sequences=config.max_concurrency,
-            compile_decode=compile_decode,
+            compile_decode=compile_decode, state_snapshots=config.snapshot_count,
+            snapshot_interval=config.state_snapshot_interval,
         )  # fmt: skip
         self.runtime = build_runtime(loaded, host, device, pool)
         self.kv_codec = self.runtime.kv_codec
         self.block_manager = self.runtime.block_manager
         self.runner = self.runtime.runner
-        self.scheduler = Scheduler(config, self.block_manager, self.runtime.states)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.runtime.states, self.runtime.snapshots
+        )
         self.sampler = Sampler(seed)
         self.counters = EngineCounters()
         #: Speculative decoding (`--spec`): the drafter, its options and the totals.
@@ -253,7 +259,10 @@ class Engine(StepThread):
             # A failure is pinned on the sequences that fail alone too (faults.py): the
             # others go on, so one request's fault never ends another client's stream.
             result = run_isolated(self.runner.step, plan.batch)
+            begun = dict(zip((s.seq_id for s, _ in plan.batch), starts, strict=True))
             with self._lock:
+                if self.runtime.states is not None:  # before anything can end a request
+                    rewind_states(self.runtime.states, result.ok, begun)
                 if not result.failed and not result.retried:
                     elapsed = self.clock() - start
                     self.scheduler.costs.observe(
@@ -267,8 +276,8 @@ class Engine(StepThread):
                 accepted: dict[int, int] = {}
                 if result.output is not None:
                     self._postprocess(result.ok, result.output.logits, events, accepted)
+                    self.scheduler.snapshot_prefills(result.ok)
                     if self.drafter is not None:
-                        begun = dict(zip((s.seq_id for s, _ in plan.batch), starts, strict=True))
                         proposing = self._draft_inputs(result.ok, result.output, begun, accepted)
                 outcome.still_prefilling = [
                     self._by_seq[s.seq_id].request_id
@@ -299,9 +308,9 @@ class Engine(StepThread):
             if seq.status is SequenceStatus.RUNNING:
                 budget = max_drafts(seq, k)
                 if budget:
-                    self.block_manager.allocate(seq, 1 + budget)
+                    self.block_manager.allocate(seq, seq.num_pending_tokens + budget)
                 item = draft_input(
-                    seq, starts[seq.seq_id], offset, output.hidden, budget,
+                    seq, starts[seq.seq_id], kept_end(seq), offset, output.hidden, budget,
                     accepted.get(seq.seq_id),
                 )  # fmt: skip
                 seqs.append(seq)
@@ -398,7 +407,12 @@ class Engine(StepThread):
 
     def _verify(self, live: RequestState, round_: Round, rows: torch.Tensor, events: list) -> int:
         """Accept what the target agrees with of one sequence's drafts (`speculation.py`);
-        returns the drafts accepted. A failure ends only this request."""
+        returns the drafts accepted. A failure ends only this request.
+
+        On a model with state, the state and computed count are at the forward's start
+        (`rewind_states`) and stay there while the round is verified; a fully accepted
+        round makes the step's state current and only then commits its blocks, a rejected
+        one is replayed by the next step (`settle_state`)."""
         seq = live.seq
         if any(unusable_rows(rows)):
             self._fail(live, "the model's logits for this request hold no finite value", events)
@@ -408,14 +422,32 @@ class Engine(StepThread):
             accepted = verify(
                 seq, round_, chooser,
                 lambda token: self._accept(live, token, events),
-                self.block_manager.commit, live.spec,
+                self._advance(seq), live.spec,
             )  # fmt: skip
         except Exception as exc:
             log.exception("verifying the drafts of request %s failed", live.request_id)
             self._fail(live, f"{type(exc).__name__}: {exc}", events)
             return 0
         self.spec_counters.record(len(round_.drafts), accepted)
+        states = self.runtime.states
+        running = seq.status is SequenceStatus.RUNNING
+        if states is not None and running and settle_state(states, seq, round_, accepted):
+            self.block_manager.commit(seq)
         return accepted
+
+    def _advance(self, seq: Sequence) -> Callable[[int], None]:
+        """What `verify` does before each token: cover the tokens before it with the
+        computed count and index the blocks that became full. Nothing on a model with
+        state: a page a replay writes again must never be indexed, and the computed count
+        stays with the state at the forward's start until the round is settled."""
+        if self.runtime.states is not None:
+            return lambda n: None
+
+        def advance(n: int) -> None:
+            seq.num_computed_tokens = n
+            self.block_manager.commit(seq)
+
+        return advance
 
     def _sample(self, logits: torch.Tensor, lives: list[RequestState], events: list) -> list:
         """One token per row (None where its request ended): the batch in one call, and if
@@ -468,7 +500,7 @@ class Engine(StepThread):
     ) -> None:
         seq, rid = live.seq, live.request_id
         if seq.status is SequenceStatus.RUNNING:
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, snapshot=error is None)
             seq.draft_ids, seq.draft_probs = [], None
             if self.drafter is not None:
                 self._release(seq.seq_id)
@@ -518,10 +550,13 @@ class Engine(StepThread):
         return results
 
     def check_invariants(self) -> None:
-        """The block manager's checks, with every live sequence as the holders, and the
-        state pool's, with the running sequences' slots as the held ones."""
+        """The block manager's checks, with every live sequence as the holders, the
+        state pool's, with the running sequences' slots as the held ones, and the state
+        snapshots' index."""
         with self._lock:
             self.block_manager.check_invariants(list(self.scheduler))
             if self.runtime.states is not None:
                 held = [s.state_slot for s in self.scheduler.running]
                 self.runtime.states.check_invariants(held)
+            if self.runtime.snapshots is not None:
+                self.runtime.snapshots.check_invariants()

@@ -144,4 +144,6 @@ class ModelRunner:
             step.commit()  # only now: a forward that raised left every state as it was
         for seq, n in batch:
             seq.num_computed_tokens += n
+            if self.states is not None:
+                seq.state_position = seq.num_computed_tokens
         return StepForward(logits, hidden if keep_hidden else None)

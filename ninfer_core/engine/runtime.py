@@ -22,6 +22,7 @@ from ninfer_core import conformance
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.compiled_step import CompiledDecode, capture_refusal
 from ninfer_core.engine.model_runner import ModelRunner
+from ninfer_core.engine.state_snapshots import StateSnapshots
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.kv.state import SequenceStatePool
@@ -54,6 +55,10 @@ class RuntimeSpec:
     #: `--compile-decode`: run decode steps (up to `max_sequences`) through `torch.compile`
     #: (`engine/compiled_step.py`) where the model, kernels and store allow it.
     compile_decode: bool = False
+    #: A model with state layers: the state snapshots its prefix cache keeps (0: none,
+    #: and no prefix cache), and the tokens between two snapshots of a long prompt.
+    state_snapshots: int = 0
+    snapshot_interval: int = 1024
 
     @classmethod
     def for_tokens(cls, tokens: int, block_size: int = 16, **kw: Any) -> RuntimeSpec:
@@ -73,6 +78,8 @@ class Runtime:
     caches: ModelCaches
     #: The per-sequence states of the state layers; None when every layer is paged.
     states: SequenceStatePool | None = None
+    #: The prefix cache's state snapshots (state layers and the prefix cache on), or None.
+    snapshots: StateSnapshots | None = None
 
     @property
     def layout(self) -> KVLayout:
@@ -123,9 +130,10 @@ def assemble_runtime(
 
     `caches`: what each layer keeps, as its family declares (None: paged K/V in every
     layer). The pool holds the paged layers only; the state layers get a
-    `SequenceStatePool` of `spec.max_sequences` slots. The prefix cache stays off for a
-    model with state layers: a prefix found in the cache would skip the tokens that
-    build the state, and a state is not kept per block.
+    `SequenceStatePool` of `spec.max_sequences` slots. A prefix found in the cache would
+    skip the tokens that build a state, so for such a model the prefix cache resumes only
+    from `spec.state_snapshots` state snapshots (`state_snapshots.py`), and is off when
+    that is 0.
 
     The store lives on the model's device, so the forward never copies K/V across devices;
     it is checked against the `KVStore` contract before anything runs on it. The prefix
@@ -142,10 +150,15 @@ def assemble_runtime(
     store = codec.allocate(layout, where, compute_dtype=dtype)
     conformance.check(store, KVStore, f"the KV store codec {name!r} allocated")
     states = SequenceStatePool(caches, spec.max_sequences, where) if caches.has_state else None
+    cached = spec.prefix_cache and (states is None or spec.state_snapshots > 0)
     blocks = BlockManager(
-        spec.num_blocks, spec.block_size,
-        enable_prefix_cache=spec.prefix_cache and states is None, salt=f"kv-codec={name}",
-    )  # fmt: skip
+        spec.num_blocks, spec.block_size, enable_prefix_cache=cached, salt=f"kv-codec={name}"
+    )
+    snapshots = None
+    if cached and states is not None:
+        snapshots = StateSnapshots(
+            spec.state_snapshots, spec.snapshot_interval, blocks, states, store
+        )
     compiled = None
     if spec.compile_decode:
         refusal = capture_refusal(model, store)
@@ -154,4 +167,4 @@ def assemble_runtime(
         else:
             log.warning("--compile-decode: decoding eagerly: %s", refusal)
     runner = ModelRunner(model, store, blocks, states, compiled)
-    return Runtime(name, store, blocks, runner, caches, states)
+    return Runtime(name, store, blocks, runner, caches, states, snapshots)

@@ -15,7 +15,9 @@ It sees `Sequence`s and the `BlockManager`'s page counts, never a tensor. Per st
 Reserving `max_tokens` at admission means a running sequence never runs out of pages, so
 nothing is ever preempted or recomputed. A model with state layers also needs a free slot
 of the per-sequence state pool to admit a sequence; the slot is zeroed when taken and given
-back when the sequence ends, however it ends.
+back when the sequence ends, however it ends. Its prefix cache hits are state snapshots
+(`state_snapshots.py`): a sequence resumes from one at admission, prefill chunks end where
+one is wanted, and one is taken when a sequence ends, before its slot goes back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
+from ninfer_core.engine.state_snapshots import StateSnapshots
 from ninfer_core.kv.state import SequenceStatePool
 
 #: The derived pending timeout (`pending_timeout_ms = 0`) is this many times the estimated wait,
@@ -92,10 +95,13 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         states: SequenceStatePool | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.states = states
+        #: The prefix cache of a model with state layers (None: off, or no state layers).
+        self.snapshots = snapshots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()
@@ -131,10 +137,15 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def finish(self, seq: Sequence) -> None:
-        """A running sequence ends (stop, length, cancel, error): its pages go back now."""
+    def finish(self, seq: Sequence, snapshot: bool = False) -> None:
+        """A running sequence ends (stop, length, cancel, error): its pages go back now.
+        `snapshot`: its state is sound (no error), so keep a snapshot of it first."""
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.snapshots is not None:
+            if snapshot:
+                self.snapshots.capture(seq, seq.state_position)
+            self.snapshots.forget(seq)
         self.block_manager.free(seq)
         if seq.state_slot is not None:
             self.states.free(seq.state_slot)
@@ -182,9 +193,12 @@ class Scheduler:
             if not self._fits(self.waiting[0]):
                 break
             seq = self.waiting.popleft()
-            self.block_manager.admit(seq)
-            if self.states is not None:
+            if self.states is None:
+                self.block_manager.admit(seq)
+            else:  # a block hit alone would lack the state: only snapshots resume
                 seq.state_slot = self.states.allocate()
+                if self.snapshots is not None:
+                    self.snapshots.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
@@ -200,14 +214,23 @@ class Scheduler:
         if self.states is not None and not self.states.num_free:
             return False
         bm = self.block_manager
-        hits, idle_hits = bm.match_prefix(seq)
+        hits = idle_hits = 0
+        if self.states is None:
+            hits, idle_hits = bm.match_prefix(seq)
+        elif self.snapshots is not None and (hit := self.snapshots.match(seq)) is not None:
+            hits, idle_hits = hit.blocks, hit.idle
         # Idle hits stop being evictable once taken, so they leave the unclaimed count.
         unclaimed = bm.num_free_blocks - idle_hits - self._reserved_blocks()
         return bm.blocks_for(seq.max_length) - hits <= unclaimed
 
     def _batch(self) -> list[tuple[Sequence, int]]:
-        # A decoding sequence runs its pending token plus the drafts it verifies.
-        decode = [(s, 1 + len(s.draft_ids)) for s in self.running if not s.is_prefilling]
+        # A decoding sequence runs its pending tokens (one, or the accepted tokens of a
+        # round a state model replays, `engine/speculation.py`) plus the drafts it verifies.
+        decode = [
+            (s, s.num_pending_tokens + len(s.draft_ids))
+            for s in self.running
+            if not s.is_prefilling
+        ]
         # Decodes come first; a prompt still gets a block's worth when decodes fill the
         # budget, so it is never starved by a full house of streams.
         chunk = self.config.prefill_chunk
@@ -219,6 +242,17 @@ class Scheduler:
                 break
             if seq.is_prefilling:
                 n = min(seq.num_pending_tokens, budget)
+                if self.snapshots is not None:
+                    n = self.snapshots.chunk(seq, n)
                 prefill.append((seq, n))
                 budget -= n
         return decode + prefill
+
+    def snapshot_prefills(self, ran: list[tuple[Sequence, int]]) -> None:
+        """After a step: snapshot the states of the prompts whose chunk ended at a capture
+        point (`StateSnapshots.chunk`); their full blocks are committed by then."""
+        if self.snapshots is None:
+            return
+        for seq, _ in ran:
+            if seq.status is SequenceStatus.RUNNING and self.snapshots.at_capture_point(seq):
+                self.snapshots.capture(seq, seq.num_computed_tokens)

@@ -57,6 +57,13 @@ class Sequence:
         #: Its slot in the runtime's per-sequence state pool while it runs (a model with
         #: state layers); None otherwise.
         self.state_slot: int | None = None
+        #: Tokens the state in `state_slot` has consumed (a model with state layers): the
+        #: runner sets it after each forward, and a speculative round is verified with
+        #: the state put back to the step's start (`engine/speculation.py`), so it never
+        #: counts a draft the sequence did not keep, even for a request that ends inside a
+        #: round; an end-of-request snapshot of the state is taken at this position. The
+        #: block manager's reset of the computed count when the sequence ends leaves it.
+        self.state_position = 0
         #: Draft tokens to follow `token_ids`, verified by the next step's forward
         #: (speculative decoding); never part of `token_ids` until the target accepts them.
         self.draft_ids: list[int] = []

@@ -14,6 +14,29 @@ cached block ever holds one.
 Drafts never reach past `max_tokens` (`max_drafts`), so the pages reserved at admission for
 prompt plus `max_tokens` already cover every position a round can write: admission needs
 no extra reservation, and a round never waits for pages.
+
+**Models with per-sequence state** (the hybrid Gated DeltaNet family) cannot rewind a
+count: after the forward, each state layer's state has consumed all k + 1 tokens, drafts
+included. Such a round is rolled back by *replay from the last committed state*. Right after
+the forward the state is put back to the step's start (`SequenceStatePool.revert`: the
+double buffer still holds it) and the computed count with it (`rewind_states`); the round
+is verified without moving either. If every draft was accepted, the step's state is made
+current again (`settle_state`). Otherwise the sequence's pending tokens are now the ones the
+forward began with, the accepted drafts and the correction token, and the next step runs
+them all again, beside the drafts proposed after them. A request that ends inside a round
+thus always ends with a state of tokens it kept (`Sequence.state_position`), and the prefix
+cache is committed once, after a fully accepted round, never for a page a replay rewrites.
+
+Why replay and not one state per draft position (vLLM's way): per-draft slots need k + 1
+more states per sequence. A Qwen3.6-27B-shaped model (48 Gated DeltaNet layers) keeps
+149.5 MiB of fp32 state per sequence, so at k = 3 that is 4 x 149.5 MiB ~ 598 MiB more per
+sequence, while its q4 plan on a 24 GiB RTX 3090 is already 0.37 GiB short. Replay needs no
+memory beyond the existing double buffer, and the replayed rows ride in the next forward,
+which in a memory-bound decode step reads the weights once for all its rows. Its cost: after
+a round that rejected a draft, the next forward re-runs the j + 1 accepted tokens before the
+correction token. `max_drafts` keeps each sequence at k + 1 rows a step at most (replayed
+rows take the place of drafts), so a drafter that keeps missing cannot make the replay grow:
+once the pending tokens fill the k + 1 rows the step runs them without drafts and commits.
 """
 
 from __future__ import annotations
@@ -26,6 +49,7 @@ import torch
 from ninfer_core import conformance
 from ninfer_core.engine.sequence import Sequence as Seq
 from ninfer_core.errors import UnsupportedChoiceError
+from ninfer_core.kv.state import SequenceStatePool
 from ninfer_core.plugin_types import Drafter
 from ninfer_core.sampling import Sampler
 from ninfer_core.sampling.sampler import draw
@@ -48,11 +72,6 @@ def build_drafter(
 
     name = choose(host, "draft_strategies", device, config.spec).chosen
     options = config.options
-    if runtime.states is not None:
-        raise UnsupportedChoiceError(
-            f"--spec {name}: the model keeps recurrent state per sequence, and rolling it back "
-            "after rejected drafts is not supported yet; start without --spec"
-        )
     target = DraftTarget(
         artifact=loaded.artifact,
         config=loaded.config,
@@ -93,14 +112,15 @@ class Round:
     drafts: list[int]
     #: [k, vocab] draft distributions, or None for one-hot drafts.
     probs: torch.Tensor | None
-    #: The sequence's computed count with its pending token but no draft (L + 1).
+    #: The sequence's tokens with its pending ones but no draft (L + 1): the position of
+    #: the first draft.
     base: int
 
     @classmethod
     def take(cls, seq: Seq) -> Round:
         drafts, probs = seq.draft_ids, seq.draft_probs
         seq.draft_ids, seq.draft_probs = [], None
-        return cls(drafts, probs, seq.num_computed_tokens - len(drafts))
+        return cls(drafts, probs, len(seq.token_ids))
 
 
 def verify(
@@ -108,22 +128,23 @@ def verify(
     round_: Round,
     choose_row: Callable[[int], tuple[int, bool]],
     accept: Callable[[int], bool],
-    commit: Callable[[Seq], None],
+    advance: Callable[[int], None],
     usage: SpecUsage,
 ) -> int:
     """Accept tokens of one round in order; returns how many drafts were accepted.
 
     `choose_row(i)` decides row i (the token to emit and whether it is draft i accepted);
-    `accept(token)` hands a token to the request and says whether the request ended. Before
-    each token the computed count covers exactly the tokens before it, and `commit` indexes
-    the blocks that became full, as a step without speculation would have. `usage` counts
-    the round before any token goes out, so the usage a finishing token reports has it.
+    `accept(token)` hands a token to the request and says whether the request ended.
+    `advance(n)` comes before each token, n being the tokens before it (`round_.base + i`):
+    the engine makes the computed count cover them and indexes the blocks that became full,
+    as a step without speculation would have (a model with state keeps both at the step's
+    start instead, see the module). `usage` counts the round before any token goes out, so
+    the usage a finishing token reports has it.
     """
     usage.add(len(round_.drafts), 0)
     accepted = 0
     for i in range(len(round_.drafts) + 1):
-        seq.num_computed_tokens = round_.base + i
-        commit(seq)
+        advance(round_.base + i)
         token, is_draft = choose_row(i)
         accepted += is_draft
         usage.accepted += is_draft
@@ -172,27 +193,42 @@ class RowChooser:
 
 
 def max_drafts(seq: Seq, k: int) -> int:
-    """Drafts `seq` may propose: none while prefilling, and never past `max_tokens`.
+    """Drafts `seq` may propose: none while prefilling, never past `max_tokens`, and no
+    more than leave its next step at k + 1 rows.
 
     A round writes K/V up to position `len(token_ids) - 1 + drafts`; staying below
-    `max_length` keeps it inside the pages admission reserved.
+    `max_length` keeps it inside the pages admission reserved. A sequence has one pending
+    token, except on a state model after a rolled-back round (the tokens it replays): those
+    take the place of drafts, so a drafter that keeps missing cannot grow the replay past
+    k + 1 rows, and a step whose pending tokens fill them commits the state.
     """
     if seq.is_prefilling:
         return 0
-    return max(0, min(k, seq.max_length - len(seq.token_ids)))
+    room = min(k + 1 - seq.num_pending_tokens, seq.max_length - len(seq.token_ids))
+    return max(0, room)
+
+
+def kept_end(seq: Seq) -> int:
+    """The end of the positions a step computed and kept: the computed count while the
+    prompt is prefilled; after that every token but the pending last one, which on a state
+    model after a rolled-back round is past the computed count (rewound for the replay)."""
+    if seq.is_prefilling:
+        return seq.num_computed_tokens
+    return len(seq.token_ids) - 1
 
 
 def draft_input(
     seq: Seq,
     start: int,
+    end: int,
     offset: int,
     hidden: torch.Tensor | None,
     budget: int,
     accepted: int | None,
 ) -> DraftInput:
-    """What the drafter learns of `seq` after a step whose forward began at position `start`,
-    its rows at `offset` of the flat batch."""
-    end = seq.num_computed_tokens
+    """What the drafter learns of `seq` after a step whose forward began at position
+    `start` and kept positions up to `end` (`kept_end`), its rows at `offset` of the flat
+    batch."""
     rows = None if hidden is None else hidden[offset : offset + end - start]
     return DraftInput(
         seq_id=seq.seq_id,
@@ -204,6 +240,29 @@ def draft_input(
         hidden=rows,
         accepted=accepted,
     )
+
+
+def rewind_states(
+    states: SequenceStatePool, batch: Sequence[tuple[Seq, int]], starts: dict[int, int]
+) -> None:
+    """Right after the forward, put each round's state and computed count back to where
+    its forward began (`starts`, by sequence id), before anything can end its request: the
+    state then never counts a draft, whatever happens to the round (see the module)."""
+    for seq, _ in batch:
+        if seq.draft_ids:
+            states.revert(seq.state_slot)
+            seq.state_position = seq.num_computed_tokens = starts[seq.seq_id]
+
+
+def settle_state(states: SequenceStatePool, seq: Seq, round_: Round, accepted: int) -> bool:
+    """After verifying a round of a state model whose request still runs: True when every
+    draft was accepted, and the step's state, which consumed exactly the kept tokens, is
+    current again; else the state stays at the forward's start and the next step replays."""
+    if accepted < len(round_.drafts):
+        return False
+    states.revert(seq.state_slot)  # the second revert in the window: the step's state
+    seq.state_position = seq.num_computed_tokens = round_.base + accepted
+    return True
 
 
 def apply_proposals(
@@ -230,6 +289,9 @@ __all__ = [
     "apply_proposals",
     "build_drafter",
     "draft_input",
+    "kept_end",
     "max_drafts",
+    "rewind_states",
+    "settle_state",
     "verify",
 ]

@@ -99,3 +99,11 @@ class PlainKVStore:
         """Read pages back token-major. block_table: [nb] or [B, nb] -> [(B,) L, Hkv, D]."""
         k, v = self.gather_heads(layer, block_table, length)
         return k.transpose(-3, -2), v.transpose(-3, -2)
+
+    def save_pages(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of pages `blocks` ([n]) of every layer: one `[2, L, Hkv, n, BS, D]` tensor."""
+        return (self.pool.index_select(3, blocks),)
+
+    def load_pages(self, blocks: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> None:
+        """Put `save_pages`' copies back, into pages `blocks` (as many as were saved)."""
+        self.pool.index_copy_(3, blocks, saved[0])

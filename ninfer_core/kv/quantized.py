@@ -142,6 +142,16 @@ class QuantizedKVStore:
             out.append(x.to(self.compute_dtype))
         return out[0], out[1]
 
+    def save_pages(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copies of pages `blocks` ([n]) of every layer, as stored: K and V codes, then
+        K and V scales, each `[L, n, BS, Hkv, ...]`, so a restore is bit-exact."""
+        return tuple(t.index_select(1, blocks) for t in (*self.codes, *self.scales))
+
+    def load_pages(self, blocks: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> None:
+        """Put `save_pages`' copies back, into pages `blocks` (as many as were saved)."""
+        for t, copy in zip((*self.codes, *self.scales), saved, strict=True):
+            t.index_copy_(1, blocks, copy)
+
 
 class QuantizedKVCodec:
     """A codec plugin object: which quantizer for K and for V, rotated or not."""

@@ -75,6 +75,19 @@ class SequenceStatePool:
             raise ValueError(f"state slot {slot} is not taken")
         self._free.append(slot)
 
+    def revert(self, slot: int) -> None:
+        """Make `slot`'s state before its last step current again: a speculative round
+        that rejected a draft consumed tokens the sequence does not keep, and the state
+        before the step is still in the slot's other buffer (`engine/speculation.py`).
+
+        Valid only after the step that wrote the slot and before the next step writes it
+        (that step overwrites the buffer this makes stale); reverting twice in that window
+        makes the step's state current again.
+        """
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"state slot {slot} is not taken")
+        self.current[slot] = 1 - self.current[slot]
+
     def step(self, slots: Sequence[int]) -> StepStates:
         """The states of one step's sequences, in batch order (one slot per sequence)."""
         index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
@@ -92,6 +105,25 @@ class SequenceStatePool:
             problems.append(f"free {sorted(free)} + held {sorted(held)} != {self.num_slots} slots")
         if problems:
             raise AssertionError("; ".join(problems))
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        """Bytes `save` copies: one buffer of one slot, every state layer."""
+        return self.nbytes // (STATE_BUFFERS * self.num_slots)
+
+    def save(self, slot: int) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Copies of `slot`'s current state, per layer (a prefix-cache snapshot,
+        `engine/state_snapshots.py`): the state after the tokens the slot has consumed."""
+        row = int(self.current[slot]) * self.num_slots + slot
+        return {layer: tuple(b[row].clone() for b in bufs) for layer, bufs in self.buffers.items()}
+
+    def restore(self, slot: int, saved: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Make `saved` (from `save`) `slot`'s current state, as if it had consumed the
+        tokens the saved slot had."""
+        row = int(self.current[slot]) * self.num_slots + slot
+        for layer, bufs in self.buffers.items():
+            for buf, value in zip(bufs, saved[layer], strict=True):
+                buf[row].copy_(value)
 
 
 class StepStates:

@@ -406,6 +406,8 @@ class MemoryPlan:
     #: The draft strategy (`--spec`) and what its drafter holds; "" and None: no speculation.
     draft_strategy: str = ""
     draft: DraftMemory | None = None
+    #: A model with state layers: the state snapshots its prefix cache keeps (0: none).
+    state_snapshots: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -436,6 +438,17 @@ class MemoryPlan:
         return self.state_bytes_per_sequence * self.max_concurrency
 
     @property
+    def snapshot_bytes_each(self) -> int:
+        """One prefix-cache state snapshot (`engine/state_snapshots.py`): one buffer of a
+        sequence's states and a page of every paged layer (its partial tail); 0 for a
+        model without state layers."""
+        return bytes_per_snapshot(self.kv_layers, self.block_size)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.state_snapshots * self.snapshot_bytes_each
+
+    @property
     def pool_tokens(self) -> int:
         return self.pool_pages * self.block_size
 
@@ -447,7 +460,7 @@ class MemoryPlan:
     def used_bytes(self) -> int:
         return (
             self.weights_bytes + self.pool_bytes + self.state_bytes + self.workspace.nbytes
-            + self.runtime_bytes + self.draft_bytes + self.draft_kv_bytes
+            + self.runtime_bytes + self.draft_bytes + self.draft_kv_bytes + self.snapshot_bytes
         )  # fmt: skip
 
     @property
@@ -459,9 +472,18 @@ class MemoryPlan:
         out["workspace"] = self.workspace.to_json()
         for name in ("kv_bytes_per_token", "pool_tokens", "pool_bytes", "state_bytes_per_sequence",
                      "state_bytes", "draft_bytes", "draft_kv_bytes_per_token", "draft_kv_bytes",
-                     "free_after_bytes"):  # fmt: skip
+                     "snapshot_bytes_each", "snapshot_bytes", "free_after_bytes"):  # fmt: skip
             out[name] = getattr(self, name)
         return out
+
+
+def bytes_per_snapshot(layers: Sequence[LayerKV], block_size: int) -> int:
+    """Bytes of one state snapshot: one of the two buffers of every state layer, and one
+    page of every paged layer; 0 when no layer keeps a state (nothing is snapshot)."""
+    states = sum(layer.bytes_per_sequence for layer in layers)
+    if not states:
+        return 0
+    return states // STATE_BUFFERS + block_size * sum(layer.bytes_per_token for layer in layers)
 
 
 def _gib(n: int) -> str:
@@ -485,6 +507,7 @@ def plan_memory(
     caches: ModelCaches | None = None,
     draft: DraftMemory | None = None,
     draft_strategy: str = "",
+    state_snapshots: int = 0,
 ) -> MemoryPlan:
     """Size the KV pool and check that everything fits; raise a `MemoryPlanError` if not.
 
@@ -494,7 +517,8 @@ def plan_memory(
     the per-sequence states of `max_concurrency` sequences come off the top. `draft`:
     what the drafter of `draft_strategy` holds (`DraftStrategy.memory`; None: no
     speculation): its weights come off the top too, and its per-token K/V, kept in as
-    many pages as the target's pool, add to every page's cost.
+    many pages as the target's pool, add to every page's cost. `state_snapshots`: the
+    prefix cache's snapshots of a model with state layers, fixed bytes each, off the top.
     """
     if min(max_context, max_concurrency, block_size) <= 0:
         raise MemoryPlanError("--max-context, --max-concurrency and --block-size must be positive")
@@ -509,10 +533,11 @@ def plan_memory(
     draft_per_token = draft.kv_bytes_per_token if draft else 0
     page_bytes = block_size * (sum(layer.bytes_per_token for layer in layers) + draft_per_token)
     states = max_concurrency * sum(layer.bytes_per_sequence for layer in layers)
+    snapshots = state_snapshots * bytes_per_snapshot(layers, block_size)
     headroom = max(int(memory.free * headroom_fraction), headroom_floor)
     runtime = cpu_runtime_bytes() if memory.host_ram else 0
     drafter = draft.fixed_bytes if draft else 0
-    fixed = weights_bytes + drafter + states + workspace.nbytes + runtime + headroom
+    fixed = weights_bytes + drafter + states + snapshots + workspace.nbytes + runtime + headroom
     left = memory.free - fixed
     context_pages = -(-max_context // block_size)
     if left < 0:
@@ -524,6 +549,7 @@ def plan_memory(
     spent = f"weights {_gib(weights_bytes)}, workspace {_gib(workspace.nbytes)}"
     spent += f", draft weights {_gib(drafter)}" if drafter else ""
     spent += f", sequence states {_gib(states)}" if states else ""
+    spent += f", state snapshots {_gib(snapshots)}" if snapshots else ""
     spent += f", CPU runtime {_gib(runtime)}" if runtime else ""
     spent += f" and headroom {_gib(headroom)} GiB"
     reason = ""
@@ -572,6 +598,7 @@ def plan_memory(
         auto_reason=reason,
         draft_strategy=draft_strategy,
         draft=draft,
+        state_snapshots=state_snapshots if snapshots else 0,
     )
 
 

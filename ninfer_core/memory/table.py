@@ -50,6 +50,16 @@ def rows(plan: MemoryPlan) -> list[tuple[str, int, str]]:
             f"{plan.max_concurrency} x {plan.state_bytes_per_sequence} bytes "
             "(--max-concurrency x the state layers' bytes, double-buffered)",
         ))  # fmt: skip
+        if plan.draft is not None:  # engine/speculation.py: rollback by replay
+            replay = "rejected drafts replay from the committed state: no more state"
+            out.append(("draft rollback", 0, replay))
+    if plan.snapshot_bytes:
+        out.append((
+            "state snapshots",
+            plan.snapshot_bytes,
+            f"{plan.state_snapshots} x {plan.snapshot_bytes_each} bytes (--state-snapshots x "
+            "one state buffer and one page: the prefix cache of a model with state layers)",
+        ))  # fmt: skip
     out += [
         (
             "activation workspace",

@@ -30,6 +30,10 @@ class DenseDecoder(nn.Module):
     """Token ids in, final hidden states out; `compute_logits` is separate so the
     runner projects only the rows it samples from (the last token of each sequence)."""
 
+    #: Its MTP layer, when the artifact has one, is a dense decoder layer (the `mtp`
+    #: draft strategy's default `MTPLayerKind`).
+    mtp_layer = None
+
     def __init__(
         self,
         config: ModelConfig,

@@ -36,9 +36,13 @@ class DraftInput:
     #: Every accepted token, prompt first. When `max_drafts > 0` the last one is the token
     #: the drafts follow: sampled, not yet run through the target (its K/V are not written).
     token_ids: Sequence[int]
-    #: Positions `start:end` were computed by this step's forward and kept; `end` is the
-    #: sequence's computed-token count now. A prefill chunk, or a decode's pending token
-    #: plus its accepted drafts.
+    #: Positions `start:end` were computed by this step's forward and kept: a prefill
+    #: chunk, or a decode's pending token plus its accepted drafts. `end` is the
+    #: sequence's computed-token count now, except on a model with state after a round
+    #: that rejected a draft: that round is replayed (`engine/speculation.py`), its
+    #: computed count is back at `start` and the next step's input starts there again,
+    #: so a drafter that keeps per-position state (the MTP layer's K/V) rewrites it from
+    #: `start` on, whatever it saw before.
     start: int
     end: int
     #: Pages of the sequence, covering positions `0 : end + max_drafts` at least.
@@ -87,7 +91,8 @@ class DraftTarget:
     artifact: Artifact
     config: ModelConfig
     #: The loaded target (`embed`, `compute_logits`, `ops`, `dtype`), to share embedding
-    #: and head with, and to compute with the same kernels.
+    #: and head with, and to compute with the same kernels; its `mtp_layer` is its
+    #: family's MTP layer, for a drafter that runs it (None: a dense one).
     model: CausalLM
     #: The codec of the target's KV pool: a drafter with K/V of its own allocates them with
     #: it, in the same page geometry (`block_size` × `num_blocks`).

@@ -8,27 +8,33 @@ better than a guess from the context, for one layer's cost instead of the whole 
 - `weights.py`: where the artifact keeps the layer's tensors (either naming).
 - `layer.py`: `MTPLayer`, the layer as a torch module on the target's kernels.
 - `drafter.py`: `MTPDrafter`, the layer's K/V kept in step with the target, and drafting.
+
+A family whose MTP layer is not a dense decoder layer (the hybrid Qwen3-Next / Qwen3.5:
+gated attention, zero-centred norms, MoE) says so in its contract
+(`ModelFamily.mtp_layer`, kept on the model it builds as `CausalLM.mtp_layer`): the
+strategy then checks, sizes and builds that `MTPLayerKind`'s block instead of
+`MTPLayer`, and drafts with it the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ninfer_core import hookimpl
+from ninfer_core import conformance, hookimpl
 from ninfer_core.device import DeviceInfo
 from ninfer_core.errors import ModelLoadError, UnsupportedChoiceError
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.memory.planner import PackedBytes
 from ninfer_core.model.config import ModelConfig
-from ninfer_core.plugin_types import Artifact, KVCodec
+from ninfer_core.plugin_types import Artifact, KVCodec, ModelFamily, MTPBlock, MTPLayerKind
 from ninfer_core.spec.draft_head import DraftHead, FullHead
 from ninfer_core.spec.types import DraftMemory, DraftOptions, DraftTarget
 from ninfer_core.support import Support
 from ninfer_plugins.draft_mtp.drafter import MTPDrafter, embed_table_bytes
 from ninfer_plugins.draft_mtp.layer import MTPLayer
-from ninfer_plugins.draft_mtp.weights import checked_plan, mtp_tensors, mtp_weights_bytes
+from ninfer_plugins.draft_mtp.weights import DENSE_MTP, mtp_tensors
 
-__all__ = ["MTPDrafter", "MTPLayer", "MTPStrategy", "register_draft_strategies"]
+__all__ = ["MTPDrafter", "MTPLayer", "MTPStrategy", "mtp_kind", "register_draft_strategies"]
 
 #: What the MTP layer uses of the target beyond the `CausalLM` contract (`DenseDecoder`
 #: has them): the shared embedding, the rotary embedding, the kernels.
@@ -45,7 +51,8 @@ class MTPStrategy:
         return Support.yes()
 
     def supports_model(self, target: DraftTarget, options: DraftOptions) -> Support:
-        problem = _artifact_problem(target.artifact, target.config, options)
+        kind = mtp_kind(target.model.mtp_layer)
+        problem = _artifact_problem(kind, target.artifact, target.config, options)
         if problem:
             return Support.no(problem)
         lacking = [m for m in _TARGET_MEMBERS if getattr(target.model, m, None) is None]
@@ -65,15 +72,19 @@ class MTPStrategy:
         codec: KVCodec,
         *,
         packed_bytes: PackedBytes | None = None,
+        family: ModelFamily | None = None,
     ) -> DraftMemory:
         """The MTP layer's own weights (fc, norms, one decoder layer: embedding and head
         are the target's), the normed-embedding table (`embed_table_bytes`), with
         `--lm-head-draft` the reduced head and its id map, and one attention layer's K/V
-        per token in the target's codec (the drafter's one-layer pool)."""
-        problem = _artifact_problem(artifact, config, options)
+        per token in the target's codec (the drafter's one-layer pool). `family`: whose
+        `mtp_layer` the layer is (None: a dense one)."""
+        kind = mtp_kind(None if family is None else family.mtp_layer)
+        problem = _artifact_problem(kind, artifact, config, options)
         if problem:
             raise UnsupportedChoiceError(f"--spec {self.name}: {problem}")
-        weights = mtp_weights_bytes(config, artifact, dtype, packed_bytes)
+        with mtp_tensors(artifact) as full:
+            weights = kind.weights_bytes(config, full, dtype, packed_bytes)
         tables = embed_table_bytes(config.vocab_size, config.hidden_size, dtype)
         if options.lm_head_draft:
             from ninfer_core.spec.draft_head import draft_head_bytes
@@ -85,8 +96,11 @@ class MTPStrategy:
 
     def create(self, target: DraftTarget, options: DraftOptions) -> MTPDrafter:
         model = target.model
-        layer = MTPLayer(target.config, model.ops, model.dtype)
-        layer.load(target.artifact)
+        kind = mtp_kind(model.mtp_layer)
+        layer = kind.build(target.config, model.ops, model.dtype)
+        conformance.check(layer, MTPBlock, f"the MTP layer {kind!r} built")
+        with mtp_tensors(target.artifact) as full:
+            layer.load(full)
         layer.eval()
         c = target.config
         layout = KVLayout(1, c.num_kv_heads, c.head_dim, target.block_size, target.num_blocks)
@@ -97,12 +111,23 @@ class MTPStrategy:
         return "MTPStrategy()"
 
 
-def _artifact_problem(artifact: Artifact, config: ModelConfig, options: DraftOptions) -> str:
+def mtp_kind(declared: MTPLayerKind | None) -> MTPLayerKind:
+    """The MTP layer a family or model declares (`mtp_layer`), checked against its
+    contract, or the dense one when it declares none."""
+    if declared is None:
+        return DENSE_MTP
+    conformance.check(declared, MTPLayerKind, "the model's mtp_layer")
+    return declared
+
+
+def _artifact_problem(
+    kind: MTPLayerKind, artifact: Artifact, config: ModelConfig, options: DraftOptions
+) -> str:
     """Why `artifact` cannot feed the drafter (no MTP layer, a misshapen one, no reduced
     head for `--lm-head-draft`), or "": asked at planning and again at startup."""
     try:
         with mtp_tensors(artifact) as tensors:
-            checked_plan(config, tensors)
+            kind.weight_slots(config, tensors)
     except LookupError as exc:
         return f"{exc}; `--spec ngram` needs no weights"
     except ModelLoadError as exc:

@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ninfer_core.model.attention_meta import AttentionMetadata
-from ninfer_core.plugin_types import KVStore
+from ninfer_core.plugin_types import KVStore, MTPBlock
 from ninfer_core.spec.draft_head import DraftHead
 from ninfer_core.spec.types import NO_PROPOSAL, DraftInput, Proposal
-from ninfer_plugins.draft_mtp.layer import MTPLayer
 
 if TYPE_CHECKING:
     from ninfer_core.model.dense import DenseDecoder
@@ -89,12 +88,13 @@ class MTPDrafter:
 
     def __init__(
         self,
-        layer: MTPLayer,
+        layer: MTPBlock,
         target: DenseDecoder,
         head: DraftHead,
         store: KVStore,
         block_size: int,
     ) -> None:
+        # `layer`: the MTP layer (`MTPLayer`, or the family's own `MTPBlock`).
         # `target`: the loaded model, whose `embed` and `rotary` the layer shares.
         self.layer, self.target, self.head = layer, target, head
         self.store, self.block_size = store, block_size
@@ -230,7 +230,7 @@ class MTPDrafter:
         return out, cos[n:], sin[n:]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> the layer's embedding input [T, hidden] (`MTPLayer.embed_input`)."""
+        """ids [T] -> the layer's embedding input [T, hidden] (`MTPBlock.embed_input`)."""
         if self.embed_table is None:
             return self.layer.embed_input(self.target.embed(ids))
         return self.embed_table.index_select(0, ids)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,10 @@ from ninfer_core.memory.planner import PackedBytes, slots_bytes
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.weights import WeightSlot, check_weights, layer_slots
 from ninfer_core.plugin_types import Artifact
+
+if TYPE_CHECKING:
+    from ninfer_core.model.ops import KernelOps
+    from ninfer_plugins.draft_mtp.layer import MTPLayer
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +139,32 @@ def mtp_weights_bytes(
         return slots_bytes(
             plan, dtype, artifact=full, packed_bytes=packed_bytes, packed=projections
         )
+
+
+class DenseMTP:
+    """The `MTPLayerKind` of a family that declares none (`ModelFamily.mtp_layer` None):
+    one dense decoder layer under either naming above, computed by `MTPLayer`."""
+
+    def weight_slots(self, config: ModelConfig, artifact: Artifact) -> list[WeightSlot]:
+        return checked_plan(config, artifact)[1]
+
+    def weights_bytes(
+        self,
+        config: ModelConfig,
+        artifact: Artifact,
+        dtype: torch.dtype,
+        packed_bytes: PackedBytes | None = None,
+    ) -> int:
+        return mtp_weights_bytes(config, artifact, dtype, packed_bytes)
+
+    def build(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype) -> MTPLayer:
+        from ninfer_plugins.draft_mtp.layer import MTPLayer  # layer.py imports this module
+
+        return MTPLayer(config, ops, dtype)
+
+    def __repr__(self) -> str:
+        return "DenseMTP()"
+
+
+#: The one `DenseMTP`: it keeps nothing.
+DENSE_MTP = DenseMTP()

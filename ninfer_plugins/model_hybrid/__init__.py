@@ -13,6 +13,9 @@ differ in the DeltaNet's input projections (`HybridConfig.grouped_projections`) 
 the multimodal ones the Hub ships, in nesting the text model (`text_config`,
 `model.language_model.`): `Qwen3_5Family` is `Qwen3NextFamily` with that switch set, and
 only the text model is loaded.
+
+Both carry a multi-token-prediction layer under `mtp.` that the model does not load; the
+family offers it to the `mtp` draft strategy (`mtp_layer`, `mtp.py`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ from ninfer_core.plugin_types import Artifact
 from ninfer_core.support import Support
 from ninfer_plugins.model_hybrid.config import HybridConfig, text_fields, with_mlp_width
 from ninfer_plugins.model_hybrid.model import HybridDecoder, planned_weights, weight_plan
+from ninfer_plugins.model_hybrid.mtp import HybridMTP, HybridMTPLayer
 
 __all__ = [
     "HybridConfig",
     "HybridDecoder",
+    "HybridMTP",
+    "HybridMTPLayer",
     "Qwen3NextFamily",
     "Qwen3_5Family",
     "register_model_families",
@@ -66,6 +72,8 @@ class Qwen3NextFamily:
     description = "Qwen3-Next hybrid decoders (Gated DeltaNet + gated attention, MoE)"
     #: The checkpoint's DeltaNet projection layout (`HybridConfig.grouped_projections`).
     grouped_projections = True
+    #: The MTP layer its checkpoints carry under `mtp.` (`mtp.py`), for `--spec mtp`.
+    mtp_layer = HybridMTP(grouped_projections=True)
 
     def hybrid_config(self, config: ModelConfig) -> HybridConfig:
         """The hybrid fields of a config `parse_config` accepted."""
@@ -105,7 +113,7 @@ class Qwen3NextFamily:
         )
 
     def weight_slots(self, config: ModelConfig) -> list[WeightSlot]:
-        """q|k|v and every gate|up fused; `mtp.*` and a tied head not loaded."""
+        """q|k|v and every gate|up fused; `mtp.*` (`mtp_layer`'s) and a tied head not loaded."""
         return weight_plan(self.hybrid_config(config))
 
     def build(
@@ -116,7 +124,7 @@ class Qwen3NextFamily:
         context_len: int | None = None,
     ) -> HybridDecoder:
         """Uninitialised parameters on `ops.device`; fill them with `load_weights`."""
-        return HybridDecoder(self.hybrid_config(config), ops, dtype, context_len)
+        return HybridDecoder(self.hybrid_config(config), ops, dtype, context_len, self.mtp_layer)
 
     def load_weights(self, model: HybridDecoder, artifact: Artifact) -> None:
         load_weights(model, artifact, weight_plan(model.hybrid))
@@ -141,6 +149,7 @@ class Qwen3_5Family(Qwen3NextFamily):
     )
     description = "Qwen3.5 / 3.6 hybrid decoders, dense and MoE (text only)"
     grouped_projections = False
+    mtp_layer = HybridMTP(grouped_projections=False)
 
 
 @hookimpl

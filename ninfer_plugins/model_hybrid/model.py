@@ -27,6 +27,7 @@ from ninfer_plugins.model_hybrid.layers import GatedAttention, GatedDeltaNet, Ze
 if TYPE_CHECKING:
     from ninfer_core.kv.state import StepStates
     from ninfer_core.model.attention_meta import AttentionMetadata
+    from ninfer_core.plugin_types import MTPLayerKind
 
 
 class HybridLayer(nn.Module):
@@ -86,10 +87,14 @@ class HybridDecoder(nn.Module):
         ops: KernelOps,
         dtype: torch.dtype,
         context_len: int | None = None,
+        mtp_layer: MTPLayerKind | None = None,
     ) -> None:
         super().__init__()
         base = config.base
         self.config, self.hybrid, self.ops, self.dtype = base, config, ops, dtype
+        #: The family's MTP layer (`CausalLM.mtp_layer`), for a draft strategy that has
+        #: only this model; None: built outside the family, and no MTP layer offered.
+        self.mtp_layer = mtp_layer
         dev, vocab, hidden = ops.device, base.vocab_size, base.hidden_size
         self.embed_tokens = empty_param(vocab, hidden, dtype=dtype, device=dev)
         # Full-attention layers are numbered in the KV pool in layer order
@@ -143,22 +148,9 @@ class HybridDecoder(nn.Module):
     def pack_weights(self) -> None:
         """Once after loading: every projection through the backend's `pack_linear`
         (the experts by `SparseMoE.pack_weights`), and each zero-centred norm's `1 + w`."""
-        for module in self.modules():
-            if isinstance(module, ZeroCentredRMSNorm):
-                module.finalize()
+        finalize_norms(self)
         for layer in self.layers:
-            mixer = layer.linear_attn if layer.linear_attn is not None else layer.self_attn
-            names = (
-                ("in_proj_qkvz", "in_proj_ba", "out_proj")
-                if layer.linear_attn is not None
-                else ("qkv_proj", "o_proj")
-            )
-            owners = [(mixer, n) for n in names]
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.pack_weights()
-            else:
-                owners += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
-            pack_params(owners, self.ops, self.dtype)
+            pack_layer(layer, self.ops, self.dtype)
         packed = pack_weight(self.ops, self.head_weight, self.dtype)
         if packed is not self.head_weight:
             self.packed_head = packed
@@ -170,6 +162,30 @@ class HybridDecoder(nn.Module):
         return held_bytes(self)
 
 
+def finalize_norms(module: nn.Module) -> None:
+    """Once after loading: each zero-centred norm's fp32 `1 + w` (`ZeroCentredRMSNorm`)."""
+    for sub in module.modules():
+        if isinstance(sub, ZeroCentredRMSNorm):
+            sub.finalize()
+
+
+def pack_layer(layer: HybridLayer, ops: KernelOps, dtype: torch.dtype) -> None:
+    """Once after loading: a layer's projections through the backend's `pack_linear`
+    (the experts by `SparseMoE.pack_weights`)."""
+    mixer = layer.linear_attn if layer.linear_attn is not None else layer.self_attn
+    names = (
+        ("in_proj_qkvz", "in_proj_ba", "out_proj")
+        if layer.linear_attn is not None
+        else ("qkv_proj", "o_proj")
+    )
+    owners = [(mixer, n) for n in names]
+    if isinstance(layer.mlp, SparseMoE):
+        layer.mlp.pack_weights()
+    else:
+        owners += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+    pack_params(owners, ops, dtype)
+
+
 def weight_plan(config: HybridConfig) -> list[WeightSlot]:
     """Every tensor a Qwen3-Next / Qwen3.5 checkpoint must provide, and the parameter it
     fills; the decoder's tensors are named under `config.prefix`. `mtp.*` (the multi-token
@@ -179,31 +195,45 @@ def weight_plan(config: HybridConfig) -> list[WeightSlot]:
     plan = [WeightSlot(prefix + "embed_tokens.weight", "embed_tokens", 0, (v, h))]
     for n in range(base.num_layers):
         hf, ours = f"{prefix}layers.{n}.", f"layers.{n}."
-        plan += [
-            WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
-            WeightSlot(
-                hf + "post_attention_layernorm.weight",
-                ours + "post_attention_layernorm.weight",
-                0,
-                (h,),
-            ),
-        ]
-        if config.is_linear(n):
-            plan += _linear_slots(config, hf + "linear_attn.", ours + "linear_attn.")
-        else:
-            plan += _attention_slots(config, hf + "self_attn.", ours + "self_attn.")
-        if config.is_sparse(n):
-            plan += moe_slots(config.moe, h, hf + "mlp.", ours + "mlp.")
-        else:
-            i = base.intermediate_size
-            plan += [
-                WeightSlot(hf + "mlp.gate_proj.weight", ours + "mlp.gate_up_proj", 0, (i, h)),
-                WeightSlot(hf + "mlp.up_proj.weight", ours + "mlp.gate_up_proj", i, (i, h)),
-                WeightSlot(hf + "mlp.down_proj.weight", ours + "mlp.down_proj", 0, (h, i)),
-            ]
+        plan += layer_slots(
+            config, hf, ours, linear=config.is_linear(n), sparse=config.is_sparse(n)
+        )
     plan.append(WeightSlot(prefix + "norm.weight", "norm.weight", 0, (h,)))
     if not base.tie_word_embeddings:
         plan.append(WeightSlot("lm_head.weight", "lm_head", 0, (v, h)))
+    return plan
+
+
+def layer_slots(
+    config: HybridConfig, hf: str, ours: str, *, linear: bool, sparse: bool
+) -> list[WeightSlot]:
+    """The tensors of one decoder layer (a Gated DeltaNet or gated attention mixer, a
+    `SparseMoE` or dense MLP), named under `hf` in the checkpoint and filling the
+    `HybridLayer` whose parameters are named under `ours`. Shared with the MTP layer
+    (`mtp.py`): full attention under `mtp.layers.0.`, whatever the decoder's layer 0 is."""
+    base, h = config.base, config.base.hidden_size
+    plan = [
+        WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
+        WeightSlot(
+            hf + "post_attention_layernorm.weight",
+            ours + "post_attention_layernorm.weight",
+            0,
+            (h,),
+        ),
+    ]
+    if linear:
+        plan += _linear_slots(config, hf + "linear_attn.", ours + "linear_attn.")
+    else:
+        plan += _attention_slots(config, hf + "self_attn.", ours + "self_attn.")
+    if sparse:
+        plan += moe_slots(config.moe, h, hf + "mlp.", ours + "mlp.")
+    else:
+        i = base.intermediate_size
+        plan += [
+            WeightSlot(hf + "mlp.gate_proj.weight", ours + "mlp.gate_up_proj", 0, (i, h)),
+            WeightSlot(hf + "mlp.up_proj.weight", ours + "mlp.gate_up_proj", i, (i, h)),
+            WeightSlot(hf + "mlp.down_proj.weight", ours + "mlp.down_proj", 0, (h, i)),
+        ]
     return plan
 
 

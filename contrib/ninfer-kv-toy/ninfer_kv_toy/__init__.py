@@ -27,6 +27,8 @@ class Int16KVStore:
     gather_scratch_bytes = None
     #: Layer by layer only (`write`): the compiled decode step needs a store that has it.
     write_layers = None
+    #: No raw page copies: a hybrid model's prefix cache resumes at block boundaries only.
+    save_pages = load_pages = None
 
     def __init__(self, layout, device, compute_dtype: torch.dtype) -> None:
         self.layout = layout

@@ -35,6 +35,8 @@ class TokenMajorBF16Store:
     gather_scratch_bytes = None  # `gather` only casts bfloat16 to the compute dtype
     #: Layer by layer only (`write`): the compiled decode step needs a store that has it.
     write_layers = None
+    #: No raw page copies: a hybrid model's prefix cache resumes at block boundaries only.
+    save_pages = load_pages = None
 
     def __init__(self, layout: KVLayout, device: torch.device | str, compute_dtype: torch.dtype):
         self.layout = layout
