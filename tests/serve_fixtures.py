@@ -29,6 +29,7 @@ from ninfer_core.serve.app import create_app
 from ninfer_core.serve.config import API_KEY_ENV, ConnectionLimits
 from ninfer_core.serve.shutdown import end_requests as end_outstanding_requests
 from ninfer_core.serve.state import ServeOptions, ServeState
+from ninfer_core.spec.config import SpecConfig
 from ninfer_core.text import ChatTemplate, GenerationDefaults
 
 MODEL_ID = "tiny-qwen3"
@@ -44,11 +45,12 @@ def write_serve_model(path: Path) -> Path:
     return path
 
 
-def make_state(model_dir: Path, **engine_options) -> ServeState:
+def make_state(model_dir: Path, spec: SpecConfig | None = None, **engine_options) -> ServeState:
+    """The model at `model_dir` behind an engine (`spec`: speculative decoding) and its state."""
     host, device = create_host(), probe_device()
     loaded = load_model(model_dir, host=host, device=device, runtime=RuntimeConfig(dtype="fp32"))
     config = EngineConfig(**{"max_context": 2048, **engine_options})
-    engine = Engine(loaded, config, host=host, device=device)
+    engine = Engine(loaded, config, host=host, device=device, spec=spec)
     tokenizer = engine.tokenizer
     return ServeState(
         engine=engine,

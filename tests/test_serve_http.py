@@ -288,7 +288,8 @@ CHAT_ONLY = {
     "tool without a function": with_(CHAT, tools=[{"type": "function"}]),
     "tool_choice unknown": with_(CHAT, tool_choice="sometimes"),
     "tool_choice without tools": with_(CHAT, tool_choice="required"),
-    "logprobs": with_(CHAT, logprobs=True),
+    "top_logprobs over 20": with_(CHAT, logprobs=True, top_logprobs=21),
+    "top_logprobs without logprobs": with_(CHAT, top_logprobs=2),
     "json mode": with_(CHAT, response_format={"type": "json_object"}),
     "reserved template kwarg": with_(CHAT, chat_template_kwargs={"add_generation_prompt": False}),
     "tool call arguments not text": with_(

@@ -70,9 +70,15 @@ from ninfer_core.engine.speculation import (
     verify,
 )
 from ninfer_core.engine.stats import EngineCounters, StepOutcome
+from ninfer_core.engine.token_extras import (
+    batch_logprobs,
+    mask_min_tokens,
+    mask_round,
+    round_acceptor,
+)
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
-from ninfer_core.sampling import Sampler
+from ninfer_core.sampling import Sampler, TokenLogprobs
 from ninfer_core.spec.config import SpecConfig
 from ninfer_core.spec.stats import SpecCounters, SpecUsage
 from ninfer_core.spec.types import DraftInput
@@ -391,7 +397,9 @@ class Engine(StepThread):
                 keep.append(j)
         if len(keep) < len(lives):
             lives, logits = [lives[j] for j in keep], logits[keep]
-        for live, token in zip(lives, self._sample(logits, lives, events), strict=True):
+        tokens = self._sample(mask_min_tokens(logits, lives), lives, events)
+        logprobs = self._logprobs(logits, lives, tokens, events)
+        for live, token, lp in zip(lives, tokens, logprobs, strict=True):
             if token is None:
                 continue
             if not 0 <= token < self.vocab_size:
@@ -400,7 +408,7 @@ class Engine(StepThread):
                 )
                 continue
             try:
-                self._accept(live, token, events)
+                self._accept(live, token, events, lp)
             except Exception as exc:
                 log.exception("postprocessing request %s failed", live.request_id)
                 self._fail(live, f"{type(exc).__name__}: {exc}", events)
@@ -418,10 +426,10 @@ class Engine(StepThread):
             self._fail(live, "the model's logits for this request hold no finite value", events)
             return 0
         try:
-            chooser = RowChooser(self.sampler, live, round_, rows)
+            chooser = RowChooser(self.sampler, live, round_, mask_round(rows, live))
             accepted = verify(
                 seq, round_, chooser,
-                lambda token: self._accept(live, token, events),
+                round_acceptor(live, rows, lambda t, lp: self._accept(live, t, events, lp)),
                 self._advance(seq), live.spec,
             )  # fmt: skip
         except Exception as exc:
@@ -472,11 +480,30 @@ class Engine(StepThread):
                 tokens.append(None)
         return tokens
 
-    def _accept(self, state: RequestState, token: int, events: list) -> bool:
-        """Hand `token` to its request; True when that ended the request."""
+    def _logprobs(
+        self, logits: torch.Tensor, lives: list[RequestState], tokens: list, events: list
+    ) -> list[TokenLogprobs | None]:
+        """The sampled tokens' log probabilities, for the requests that ask (`logprobs`);
+        if that fails, the requests that asked end (their token set to None), the rest go on."""
+        valid = [t if t is not None and 0 <= t < self.vocab_size else None for t in tokens]
+        try:
+            return batch_logprobs(logits, lives, valid)
+        except Exception as exc:
+            log.exception("computing log probabilities failed")
+            for j, live in enumerate(lives):
+                if live.request.logprobs is not None and tokens[j] is not None:
+                    self._fail(live, f"log probabilities: {type(exc).__name__}: {exc}", events)
+                    tokens[j] = None
+            return [None] * len(lives)
+
+    def _accept(
+        self, state: RequestState, token: int, events: list, logprobs: TokenLogprobs | None = None
+    ) -> bool:
+        """Hand `token` (with its log probabilities, when asked) to its request; True when
+        that ended the request."""
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
-        event, stop, at_limit = state.accept(token)
+        event, stop, at_limit = state.accept(token, logprobs)
         events.append((state.sink, event))
         if stop.finished:
             self._end(state, "stop", events, matched=stop.matched)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ninfer_core.engine.sequence import Sequence as Seq
 from ninfer_core.errors import NInferError
-from ninfer_core.sampling import SamplingParams, SequenceTokens
+from ninfer_core.sampling import MAX_TOP_LOGPROBS, SamplingParams, SequenceTokens, TokenLogprobs
 from ninfer_core.spec.stats import SpecUsage
 from ninfer_core.text import IncrementalDetokenizer, StopChecker, StopUpdate, Tokenizer
 
@@ -48,6 +48,12 @@ class GenerationRequest:
     #: `cached_tokens` cannot tell one tenant what another sent. None: the shared pool.
     #: Frontends set it from the API key and a request's own `cache_salt` (docs/engine.md).
     cache_salt: str | None = None
+    #: None: no log probabilities (nothing is computed). k in 0..20: each token's event
+    #: carries its log probability and the k most likely tokens (`sampling/logprobs.py`).
+    logprobs: int | None = None
+    #: Stop tokens (the model's and `stop_token_ids`) are masked, and stop strings not
+    #: looked for, until this many tokens were generated (vLLM's `min_tokens`).
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -62,6 +68,14 @@ class GenerationRequest:
         ):
             raise ValueError(
                 f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
 
 
@@ -87,6 +101,8 @@ class TokenEvent:
     #: so a stream can report the cache split before the request ends (Anthropic's
     #: `message_start`). None on every later event.
     cached_tokens: int | None = None
+    #: With `GenerationRequest.logprobs`: one entry per token id, in order; else None.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,21 +198,33 @@ class RequestState:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def accept(self, token: int) -> tuple[TokenEvent, StopUpdate, bool]:
+    @property
+    def below_min_tokens(self) -> bool:
+        """Whether stops are still off (`min_tokens` not yet generated) for the next token."""
+        return len(self.seq.completion_ids) < self.request.min_tokens
+
+    def accept(
+        self, token: int, logprobs: TokenLogprobs | None = None
+    ) -> tuple[TokenEvent, StopUpdate, bool]:
         """Take a sampled token: (its event, the stop verdict, whether the limit is reached).
         At the limit the text held back (a partial character, a possible stop string) goes
-        out with this last token."""
+        out with this last token. Below `min_tokens` nothing is a stop: the text goes out
+        unchecked, as in vLLM, and the stop-string search starts after it."""
+        below_min = self.below_min_tokens
         self.seq.append_token(token)
         self.history.append(token)
-        update = self.stops.feed(self.detok.feed(token), token)
+        piece = self.detok.feed(token)
+        update = StopUpdate(piece) if below_min else self.stops.feed(piece, token)
         text = update.text
         at_limit = len(self.seq.completion_ids) >= self.seq.max_tokens
         if at_limit and not update.finished:
-            update = self.stops.feed(self.detok.finish())
+            rest = self.detok.finish()
+            update = StopUpdate(rest) if below_min else self.stops.feed(rest)
             text += update.text + self.stops.flush()
         first = len(self.seq.completion_ids) == 1
         cached = self.seq.num_cached_tokens if first else None
-        return TokenEvent(self.request_id, text, (token,), cached), update, at_limit
+        lps = None if logprobs is None else (logprobs,)
+        return TokenEvent(self.request_id, text, (token,), cached, lps), update, at_limit
 
     def usage(self) -> Usage:
         seq = self.seq

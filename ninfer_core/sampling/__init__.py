@@ -4,6 +4,12 @@ The engine keeps one `SequenceTokens` per sequence, appends each accepted token 
 hands the batch's logits, params and histories to `Sampler.sample` once per step.
 """
 
+from ninfer_core.sampling.logprobs import (
+    LOGPROB_FLOOR,
+    MAX_TOP_LOGPROBS,
+    TokenLogprobs,
+    token_logprobs,
+)
 from ninfer_core.sampling.params import GREEDY_BELOW, SamplingParams
 from ninfer_core.sampling.penalties import SequenceTokens, apply_penalties, penalise
 from ninfer_core.sampling.sampler import (
@@ -18,9 +24,12 @@ from ninfer_core.sampling.sampler import (
 
 __all__ = [
     "GREEDY_BELOW",
+    "LOGPROB_FLOOR",
+    "MAX_TOP_LOGPROBS",
     "Sampler",
     "SamplingParams",
     "SequenceTokens",
+    "TokenLogprobs",
     "apply_min_p",
     "apply_penalties",
     "apply_temperature",
@@ -28,5 +37,6 @@ __all__ = [
     "draw",
     "penalise",
     "sanitize",
+    "token_logprobs",
     "warp_logits",
 ]

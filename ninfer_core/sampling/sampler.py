@@ -200,6 +200,17 @@ class Sampler:
         return probs
 
     @staticmethod
+    def penalised(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[SequenceTokens],
+    ) -> torch.Tensor:
+        """The logits every choice starts from, [B, V] fp32: sanitized, then penalised over
+        each row's history (before temperature and the filters). What `logprobs` reports.
+        A static method, so the engine reaches it whatever stands in for its sampler."""
+        return Sampler._penalise(Sampler._check(logits, params, histories), params, histories)
+
+    @staticmethod
     def _check(
         logits: torch.Tensor,
         params: Sequence[SamplingParams],

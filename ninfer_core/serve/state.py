@@ -55,14 +55,23 @@ class ServeState:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Prompt ids for a conversation, through the model's chat template."""
+        """Prompt ids for a conversation, through the model's chat template. With
+        `continue_final_message` (and no generation prompt) the last message is left open
+        and the answer continues it: an assistant prefill."""
         if self.template is None:
             raise invalid("this model has no chat template; use the completions endpoint")
         try:
             text = self.template.render(
-                messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
+                messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
         except ChatTemplateError as exc:
             raise invalid(f"the chat template rejected the conversation: {exc}") from None

@@ -16,7 +16,6 @@ from typing import Any
 
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.state import ServeState
-from ninfer_core.text import ChatTemplateError
 from ninfer_core.text.tool_choice import ForcedCall, call_opening, ends_in_thinking, with_opening
 from ninfer_plugins.frontend_anthropic import wire
 
@@ -193,20 +192,14 @@ def render(state: ServeState, prompt: Prompt) -> list[int]:
 
 
 def _render(state: ServeState, prompt: Prompt) -> list[int]:
-    if not prompt.prefill:
-        return state.render(prompt.messages, prompt.tools, **prompt.template_kwargs)
-    if state.template is None:
-        raise invalid("this model has no chat template")
-    try:
-        text = state.template.render(
-            prompt.messages,
-            tools=prompt.tools,
-            continue_final_message=True,
-            **prompt.template_kwargs,
-        )
-    except ChatTemplateError as exc:
-        raise invalid(f"the chat template rejected the conversation: {exc}") from None
-    return state.encode_prompt(text, add_special_tokens=False)
+    """The same render as OpenAI chat's `continue_final_message` for a prefill, so one
+    conversation is one prompt through both protocols."""
+    return state.render(
+        prompt.messages,
+        prompt.tools,
+        continue_final_message=prompt.prefill,
+        **prompt.template_kwargs,
+    )
 
 
 def opens_thinking(state: ServeState, prompt_ids: list[int]) -> bool:

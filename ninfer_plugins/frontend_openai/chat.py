@@ -7,11 +7,17 @@ with it and `ChatOutput` reads it first, so the call parses whole. Streaming sen
 first, then one chunk per piece of text or finished tool call, then the finish reason and,
 when asked for (`stream_options.include_usage`), a last chunk with the usage. A request's
 `spec_stats` (`return_spec_stats`) rides in that usage, or without one on the finish chunk.
+
+Log probabilities (`logprobs`, `top_logprobs`) and vLLM's `return_token_ids` follow the
+tokens, not the parsed text: a chunk carries those of the tokens that arrived since the last
+chunk went out (text the parser holds back, a reasoning tag, defers them), and the finish
+chunk carries the rest, so a stream's pieces joined are the whole answer's lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from litestar import Request, Response, post
 from litestar.openapi import ResponseSpec
@@ -25,10 +31,12 @@ from ninfer_core.text.tool_calls import ToolCall
 from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.common import (
     StreamExtras,
+    TokenLog,
     check_model,
     collect,
     first_event,
     generation_request,
+    logprobs_asked,
     new_id,
     now,
     refuse,
@@ -36,6 +44,7 @@ from ninfer_plugins.frontend_openai.common import (
     sse,
     usage,
 )
+from ninfer_plugins.frontend_openai.logprobs import TokenTexts, chat_content, token_texts
 from ninfer_plugins.frontend_openai.output import ChatOutput, Piece
 from ninfer_plugins.frontend_openai.prompt import chat_prompt
 
@@ -69,8 +78,7 @@ def route_handlers(state: ServeState) -> list:
     ) -> Response:
         model = check_model(state, data.model)
         refuse_unsupported(data)
-        if data.logprobs or data.top_logprobs:
-            raise refuse("logprobs", "log probabilities are not supported by this server")
+        top = logprobs_asked(data.logprobs, data.top_logprobs)
         if data.response_format is not None and data.response_format.type != "text":
             raise refuse("response_format", "only 'text' (decoding is not constrained here)")
         prompt = await chat_prompt(state, data)
@@ -79,15 +87,20 @@ def route_handlers(state: ServeState) -> list:
             if data.max_completion_tokens is not None
             else (data.max_tokens)
         )
-        gen = generation_request(state, data, prompt.ids, budget, scope=request.scope)
+        gen = generation_request(state, data, prompt.ids, budget, scope=request.scope, logprobs=top)
         output = prompt.output
         events = state.generate(gen)
         rid, created = new_id("chatcmpl"), now()
+        tokens = Tokens(
+            token_texts(state.tokenizer) if top is not None else None,
+            prompt.ids if data.return_token_ids else None,
+        )
         if data.stream:
             first = await first_event(request, events)
             extras = StreamExtras.asked(data)
-            return sse(stream(first, events, output, rid, created, model, extras))
-        finish = await until_disconnect(request, collect(events, output.feed))
+            return sse(stream(first, events, output, rid, created, model, extras, tokens))
+        log = TokenLog()
+        finish = await until_disconnect(request, collect(events, output.feed, log))
         output.finish()
         content = "".join(output.content)
         message = wire.AssistantMessage(
@@ -96,10 +109,32 @@ def route_handlers(state: ServeState) -> list:
             tool_calls=out_calls(output.calls),
         )
         choice = wire.ChatChoice(0, message, finish_reason(finish.reason, output.calls))
+        choice.logprobs, choice.token_ids = tokens.extras(log)
         spent = usage(finish.usage, with_spec=data.return_spec_stats)
-        return Response(wire.ChatCompletion(rid, created, model, [choice], spent))
+        whole = wire.ChatCompletion(rid, created, model, [choice], spent)
+        whole.prompt_token_ids = tokens.prompt()
+        return Response(whole)
 
     return [chat_completions]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What a choice says of its tokens beyond the text, when asked: log probabilities
+    (`texts` set) and vLLM's `return_token_ids` (`prompt_ids` set)."""
+
+    texts: TokenTexts | None = None
+    prompt_ids: list[int] | None = None
+
+    def prompt(self) -> list[int] | UnsetType:
+        return UNSET if self.prompt_ids is None else self.prompt_ids
+
+    def extras(self, log: TokenLog) -> tuple[wire.ChoiceLogprobs | None, list[int] | UnsetType]:
+        """(the choice's `logprobs`, its `token_ids`) for the tokens in `log`."""
+        logprobs = None
+        if self.texts is not None:
+            logprobs = wire.ChoiceLogprobs(chat_content(self.texts, log.logprobs))
+        return logprobs, (UNSET if self.prompt_ids is None else log.ids)
 
 
 async def stream(
@@ -110,13 +145,18 @@ async def stream(
     created: int,
     model: str,
     extras: StreamExtras,
+    tokens: Tokens | None = None,
 ) -> AsyncIterator[str]:
+    tokens = tokens or Tokens()
+    log = TokenLog()
+
     def chunk(
         delta: wire.Delta,
         reason: str | None = None,
         stats: wire.SpecStats | UnsetType = UNSET,
     ) -> str:
         choice = wire.ChunkChoice(0, delta, reason)
+        choice.logprobs, choice.token_ids = tokens.extras(log.take())
         return wire.encode(
             wire.ChatCompletionChunk(rid, created, model, [choice], spec_stats=stats)
         )
@@ -137,9 +177,14 @@ async def stream(
         return out
 
     try:
-        yield chunk(wire.Delta(role="assistant", content=""))
+        head = wire.ChatCompletionChunk(
+            rid, created, model, [wire.ChunkChoice(0, wire.Delta(role="assistant", content=""))]
+        )
+        head.prompt_token_ids = tokens.prompt()
+        yield wire.encode(head)
         event = first
         while not isinstance(event, FinishEvent):
+            log.add(event)
             for text in deltas(output.feed(event.text)):
                 yield text
             event = await anext(events)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -14,8 +14,14 @@ from litestar import Request
 from litestar.response import ServerSentEvent
 from msgspec import UNSET, UnsetType
 
-from ninfer_core.engine.request import FinishEvent, GenerationEvent, GenerationRequest
+from ninfer_core.engine.request import (
+    FinishEvent,
+    GenerationEvent,
+    GenerationRequest,
+    TokenEvent,
+)
 from ninfer_core.engine.request import Usage as EngineUsage
+from ninfer_core.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
 from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
@@ -98,14 +104,17 @@ def generation_request(
     *,
     scope: Mapping[str, Any],
     prompt_param: str = "messages",
+    logprobs: int | None = None,
 ) -> GenerationRequest:
     """The engine request: sampling over the server's defaults, the budget within the
     context, stops, the prefix-cache salt (from the request's ASGI `scope` and its
-    `cache_salt`); every invalid value a 400 naming its field (`prompt_param`: the field
-    that carried the prompt)."""
+    `cache_salt`), `min_tokens`, and `logprobs` (alternatives per token, None: none);
+    every invalid value a 400 naming its field (`prompt_param`: the field that carried
+    the prompt)."""
     stops = stop_strings(data.stop)
     params = state.sampling(**{name: getattr(data, name) for name in SAMPLING})
     budget = state.max_tokens(max_tokens, len(prompt_ids), prompt_param=prompt_param)
+    least = min_tokens(data.min_tokens, budget)
     return GenerationRequest(
         prompt_ids,
         params,
@@ -113,7 +122,20 @@ def generation_request(
         stop=stops,
         ignore_eos=data.ignore_eos,
         cache_salt=cache_salt(scope, data.cache_salt),
+        logprobs=logprobs,
+        min_tokens=least,
     )
+
+
+def min_tokens(value: int | None, budget: int) -> int:
+    """vLLM's `min_tokens`: 0 .. the request's token budget, else a 400 naming it."""
+    if value is None:
+        return 0
+    if value < 0:
+        raise refuse("min_tokens", f"must be at least 0, got {value}")
+    if value > budget:
+        raise refuse("min_tokens", f"{value} is more than the token budget ({budget})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -161,14 +183,50 @@ def usage(u: EngineUsage, *, with_spec: bool = False) -> wire.Usage:
 
 
 async def collect(
-    events: AsyncIterator[GenerationEvent], feed: Callable[[str], Any]
+    events: AsyncIterator[GenerationEvent],
+    feed: Callable[[str], Any],
+    tokens: TokenLog | None = None,
 ) -> FinishEvent:
-    """Run a generation to its end, handing each text delta to `feed`."""
+    """Run a generation to its end, handing each text delta to `feed` (and each event's
+    token ids and log probabilities to `tokens`)."""
     async for event in events:
         if isinstance(event, FinishEvent):
             return event
         feed(event.text)
+        if tokens is not None:
+            tokens.add(event)
     raise RuntimeError("the generation ended without a finish event")
+
+
+@dataclass
+class TokenLog:
+    """Token ids and log probabilities gathered from events, handed out in pieces: a
+    stream puts what it holds on the next chunk it sends (`take`), so the chunks' pieces
+    joined are the whole answer's, whatever text the parser held back meanwhile."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def add(self, event: TokenEvent) -> None:
+        self.ids.extend(event.token_ids)
+        if event.logprobs:
+            self.logprobs.extend(event.logprobs)
+
+    def take(self) -> TokenLog:
+        taken = TokenLog(self.ids, self.logprobs)
+        self.ids, self.logprobs = [], []
+        return taken
+
+
+def logprobs_asked(logprobs: bool | None, top_logprobs: int | None) -> int | None:
+    """Chat's `logprobs` / `top_logprobs` as the engine's count of alternatives (None: no
+    log probabilities); OpenAI's rules: `top_logprobs` in 0..20 and only with `logprobs`."""
+    if top_logprobs is not None:
+        if not logprobs:
+            raise refuse("top_logprobs", "requires logprobs: true")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise refuse("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    return (top_logprobs or 0) if logprobs else None
 
 
 async def first_event(request: Request, events: AsyncIterator[GenerationEvent]) -> GenerationEvent:

@@ -3,12 +3,18 @@
 One prompt per request (a list of one is accepted, as clients often send it). Text is
 encoded with the tokenizer's special tokens (a BOS where the model has one); token ids are
 taken as they are, once checked against the vocabulary.
+
+`logprobs: k` (0..5, OpenAI's legacy range) gives each generated token's log probability
+and its k most likely alternatives in the legacy shape; a stream's chunks carry the tokens
+that arrived with their text. The prompt's own log probabilities (`echo` with `logprobs`)
+are not computed: that combination is a 400.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from litestar import Request, Response, post
 from litestar.openapi import ResponseSpec
@@ -21,6 +27,7 @@ from ninfer_core.serve.state import ServeState
 from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.common import (
     StreamExtras,
+    TokenLog,
     check_model,
     collect,
     first_event,
@@ -32,6 +39,10 @@ from ninfer_plugins.frontend_openai.common import (
     sse,
     usage,
 )
+from ninfer_plugins.frontend_openai.logprobs import CompletionLogprobs, token_texts
+
+#: The most alternatives per token the legacy completions API takes (OpenAI's limit).
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def prompt_ids(state: ServeState, prompt: str | list) -> tuple[list[int], str | None]:
@@ -78,27 +89,69 @@ def route_handlers(state: ServeState) -> list:
         if data.suffix:
             raise refuse("suffix", "insertion (suffix) is not supported by this server")
         if data.logprobs is not None:
-            raise refuse("logprobs", "log probabilities are not supported by this server")
+            if not 0 <= data.logprobs <= MAX_COMPLETION_LOGPROBS:
+                raise refuse(
+                    "logprobs", f"must be in 0..{MAX_COMPLETION_LOGPROBS}, got {data.logprobs}"
+                )
+            if data.echo:
+                raise refuse(
+                    "logprobs", "the prompt's log probabilities (with echo) are not computed"
+                )
         if data.best_of not in (None, 1):
             raise refuse("best_of", "only best_of=1 is supported")
         # Tokenizing a long text takes a while: off the event loop.
         ids, text = await asyncio.to_thread(prompt_ids, state, data.prompt)
         gen = generation_request(
-            state, data, ids, data.max_tokens, scope=request.scope, prompt_param="prompt"
+            state,
+            data,
+            ids,
+            data.max_tokens,
+            scope=request.scope,
+            prompt_param="prompt",
+            logprobs=data.logprobs,
         )
         echo = (text if text is not None else state.tokenizer.decode(ids)) if data.echo else ""
         events = state.generate(gen)
         rid, created = new_id("cmpl"), now()
+        extras = ChoiceExtras(
+            None if data.logprobs is None else CompletionLogprobs(token_texts(state.tokenizer)),
+            ids if data.return_token_ids else None,
+        )
         if data.stream:
             first = await first_event(request, events)
-            return sse(stream(first, events, echo, rid, created, model, StreamExtras.asked(data)))
+            asked = StreamExtras.asked(data)
+            return sse(stream(first, events, echo, rid, created, model, asked, extras))
         parts: list[str] = [echo]
-        finish = await until_disconnect(request, collect(events, parts.append))
+        log = TokenLog()
+        finish = await until_disconnect(request, collect(events, parts.append, log))
         choice = wire.CompletionChoice(0, "".join(parts), finish_reason(finish.reason))
+        extras.fill(choice, log, first=True)
         spent = usage(finish.usage, with_spec=data.return_spec_stats)
         return Response(wire.Completion(rid, created, model, [choice], spent))
 
     return [completions]
+
+
+@dataclass
+class ChoiceExtras:
+    """A choice's log probabilities (`logprobs` set) and vLLM's `return_token_ids`
+    (`prompt_ids` set; the prompt's ids go on the first choice piece only)."""
+
+    logprobs: CompletionLogprobs | None = None
+    prompt_ids: list[int] | None = None
+
+    @property
+    def asked(self) -> bool:
+        """Whether a chunk goes out for tokens whose text is held back (it has their ids)."""
+        return self.logprobs is not None or self.prompt_ids is not None
+
+    def fill(self, choice: wire.CompletionChoice, log: TokenLog, *, first: bool) -> None:
+        if self.logprobs is not None:
+            choice.logprobs = self.logprobs.take(log.logprobs)
+        if self.prompt_ids is not None:
+            choice.token_ids = log.ids
+            if first:
+                choice.prompt_token_ids = self.prompt_ids
 
 
 async def stream(
@@ -109,11 +162,19 @@ async def stream(
     created: int,
     model: str,
     extras: StreamExtras,
+    choice_extras: ChoiceExtras | None = None,
 ) -> AsyncIterator[str]:
+    more = choice_extras or ChoiceExtras()
+    log = TokenLog()
+    sent = False
+
     def chunk(
         text: str, reason: str | None = None, stats: wire.SpecStats | UnsetType = UNSET
     ) -> str:
+        nonlocal sent
         choice = wire.CompletionChoice(0, text, reason)
+        more.fill(choice, log.take(), first=not sent)
+        sent = True
         return wire.encode(wire.Completion(rid, created, model, [choice], spec_stats=stats))
 
     try:
@@ -121,7 +182,8 @@ async def stream(
             yield chunk(echo)
         event = first
         while not isinstance(event, FinishEvent):
-            if event.text:
+            log.add(event)
+            if event.text or more.asked:
                 yield chunk(event.text)
             event = await anext(events)
         yield chunk("", finish_reason(event.reason), extras.on_finish(event.usage))

@@ -128,3 +128,24 @@ def template_kwargs(data: wire.ChatCompletionRequest) -> dict[str, Any]:
     if bad:
         raise refuse("chat_template_kwargs", f"may not set {', '.join(bad)}")
     return kwargs
+
+
+def continuation(data: wire.ChatCompletionRequest) -> dict[str, bool]:
+    """vLLM's `add_generation_prompt` / `continue_final_message`, as `ServeState.render`
+    takes them. Continuing the final message implies no generation prompt (vLLM asks the
+    client to say so; an explicit `add_generation_prompt: true` beside it is a 400), and
+    cannot be combined with a forced tool call, whose opening would follow the message."""
+    if not data.continue_final_message:
+        add = data.add_generation_prompt
+        return {"add_generation_prompt": add is not False}
+    if data.add_generation_prompt:
+        raise refuse(
+            "continue_final_message",
+            "cannot be combined with add_generation_prompt: true; send false",
+        )
+    if forced_call(data) is not None:
+        raise refuse("continue_final_message", "cannot be combined with a forced tool_choice")
+    last = data.messages[-1] if data.messages else None
+    if last is None or last.role != "assistant":
+        raise refuse("continue_final_message", "the final message must be an assistant message")
+    return {"add_generation_prompt": False, "continue_final_message": True}

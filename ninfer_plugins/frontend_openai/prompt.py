@@ -16,6 +16,7 @@ from ninfer_core.serve.state import ServeState
 from ninfer_core.text.tool_choice import call_opening, with_opening
 from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.conversation import (
+    continuation,
     forced_call,
     template_kwargs,
     template_messages,
@@ -44,6 +45,7 @@ async def chat_prompt(state: ServeState, data: wire.ChatCompletionRequest) -> Ch
     tools, parse_tools = template_tools(data)
     kwargs = template_kwargs(data)
     opening = call_opening(state.template, forced_call(data))
+    kwargs.update(continuation(data))
 
     def build() -> list[int]:
         return with_opening(state.tokenizer, state.render(messages, tools, **kwargs), opening)

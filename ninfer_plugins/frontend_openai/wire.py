@@ -5,7 +5,8 @@ Unknown fields are ignored, as OpenAI-compatible servers do (clients send `user`
 `metadata`, ...). Fields this server cannot honour are declared, so that a request relying on
 them is refused with a message instead of being silently served differently (see
 `common.refuse_unsupported`). `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and
-`chat_template_kwargs` are the extensions vLLM made common; `return_spec_stats` is ours.
+`chat_template_kwargs`, `min_tokens`, `return_token_ids`, `continue_final_message` and
+`add_generation_prompt` are the extensions vLLM made common; `return_spec_stats` is ours.
 
 Extension fields of a response (`spec_stats`) are `UNSET` unless asked for, and msgspec
 leaves an `UNSET` field out: a response nobody asked extras of is the plain OpenAI shape.
@@ -104,6 +105,10 @@ class SamplingFields(Struct, kw_only=True):
     cache_salt: str | None = None
     #: Return the request's speculative-decoding figures (`spec_stats`) with its usage.
     return_spec_stats: bool = False
+    #: vLLM's: no stop token, stop string or EOS ends the answer before this many tokens.
+    min_tokens: int | None = None
+    #: vLLM's: the prompt's token ids and each choice's generated ids with the answer.
+    return_token_ids: bool = False
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -116,6 +121,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: end the prompt with the assistant's turn opened (None: yes, unless
+    #: `continue_final_message`).
+    add_generation_prompt: bool | None = None
+    #: vLLM's: the final (assistant) message is left open and the answer continues it.
+    continue_final_message: bool = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -168,6 +178,35 @@ class ToolCallOut(Struct):
     type: str = "function"
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    """Chat's per-choice `logprobs` (`logprobs: true`)."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(Struct):
+    """The legacy completions `logprobs` (`logprobs: k`), one entry per token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
@@ -179,7 +218,9 @@ class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+    #: With `return_token_ids`: the ids generated.
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletion(Struct):
@@ -190,6 +231,8 @@ class ChatCompletion(Struct):
     usage: Usage
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    #: With `return_token_ids`: the rendered prompt's ids.
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class ToolCallDelta(Struct):
@@ -210,7 +253,9 @@ class ChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+    #: With `return_token_ids`: the ids behind this chunk.
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(Struct):
@@ -222,13 +267,19 @@ class ChatCompletionChunk(Struct):
     object: str = "chat.completion.chunk"
     #: On the finish chunk, with `return_spec_stats` but no usage chunk to carry it.
     spec_stats: SpecStats | UnsetType = UNSET
+    #: With `return_token_ids`, on the first chunk: the rendered prompt's ids.
+    prompt_token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    #: With `return_token_ids` (as vLLM places them): the prompt's ids (whole answer, first
+    #: chunk) and the ids generated (whole answer, or this chunk's).
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(Struct):

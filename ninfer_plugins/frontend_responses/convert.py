@@ -21,6 +21,8 @@ from ninfer_plugins.frontend_responses import wire
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 REASONING_PARTS = ("reasoning_text", "summary_text")
+#: The `include` value that asks for log probabilities.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: OpenAI's own bounds on `metadata`.
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -33,8 +35,15 @@ def check_request(data: wire.ResponsesRequest) -> None:
         raise refuse("conversation", "conversations are not supported; use previous_response_id")
     if data.prompt is not None:
         raise refuse("prompt", "prompt templates are not supported by this server")
+    # Chat completions and completions report log probabilities; here a message's text is
+    # parsed out of tokens that also carry reasoning and calls, and which tokens a text
+    # part owns is not tracked: refused rather than attached to the wrong text.
     if data.top_logprobs:
-        raise refuse("top_logprobs", "log probabilities are not supported by this server")
+        raise refuse(
+            "top_logprobs", "log probabilities are not supported here; use chat completions"
+        )
+    if data.include and LOGPROBS_INCLUDE in data.include:
+        raise refuse("include", f"{LOGPROBS_INCLUDE} is not supported here; use chat completions")
     fmt = data.text.format if data.text is not None else None
     if fmt is not None and fmt.type != "text":
         raise refuse("text.format", "only 'text' (decoding is not constrained here)")

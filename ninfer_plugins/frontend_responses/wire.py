@@ -90,6 +90,8 @@ class ResponsesRequest(Struct, kw_only=True):
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
+    #: Extra output to include; only `message.output_text.logprobs` is looked at (refused).
+    include: list[str] | None = None
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
