@@ -2,6 +2,8 @@
 
 Model files are untrusted input: headers are parsed and checked before any tensor
 is read, and pickle-based checkpoints (`.bin`, `.pt`) are refused, never loaded.
+Mixture-of-experts weights stored stacked (`mlp.experts.gate_up_proj`, the Hub's
+Qwen3.5-MoE) are listed as one matrix per expert (`ninfer_core.model.stacked_experts`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from ninfer_core import hookimpl
 from ninfer_core.errors import ModelLoadError
+from ninfer_core.model.stacked_experts import ExpertSlice, split_stacked
 from ninfer_core.safe_json import loads_limited
 from ninfer_core.support import Support
 
@@ -74,7 +77,12 @@ def read_safetensors_header(file: Path) -> dict[str, dict[str, Any]]:
 
 
 class HFFolderArtifact:
-    """An opened Hugging Face model folder."""
+    """An opened Hugging Face model folder.
+
+    A stacked experts tensor is not listed itself: each expert's matrix is, under the
+    name a per-expert checkpoint gives it, and reading one reads only its slice of the
+    file, so loading, planning and `ninfer convert` (which quantizes each matrix) see
+    one layout whichever the folder stores."""
 
     # Optional `Artifact` members it does without: weights are dense tensors
     # (`load_tensor`), every tensor in its stored dtype, sizes from the shapes.
@@ -91,7 +99,26 @@ class HFFolderArtifact:
             for name, rec in read_safetensors_header(file).items():
                 self._where[name] = file
                 self._records[name] = rec
+        self._experts = self._split_experts()
+        stacked = {part.source for part in self._experts.values()}
+        self._names = [n for n in self._records if n not in stacked] + list(self._experts)
         self._handles: dict[Path, Any] = {}
+
+    def _split_experts(self) -> dict[str, ExpertSlice]:
+        """Per-expert name -> its slice of a stacked tensor; a folder holding some
+        expert both ways is refused (which copy would load is anyone's guess)."""
+        shapes = {n: tuple(int(d) for d in rec["shape"]) for n, rec in self._records.items()}
+        try:
+            experts = split_stacked(shapes)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{self.path}: {exc}") from None
+        for name, part in experts.items():
+            if name in self._records:
+                raise ModelLoadError(
+                    f"{self._where[name]}: tensor {name!r} is also stored stacked in "
+                    f"{part.source!r} ({self._where[part.source].name}): one layout, please"
+                )
+        return experts
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -132,25 +159,34 @@ class HFFolderArtifact:
         raise ModelLoadError(f"{self.path}: no *.safetensors weight files found")
 
     def tensor_names(self) -> list[str]:
-        return list(self._records)
+        return list(self._names)
 
     def tensor_file(self, name: str) -> Path:
-        return self._where[name]
+        part = self._experts.get(name)
+        return self._where[name if part is None else part.source]
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
+        part = self._experts.get(name)
+        if part is not None:
+            return part.shape
         return tuple(int(d) for d in self._records[name]["shape"])
 
     def load_tensor(self, name: str) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
 
-        file = self._where.get(name)
+        part = self._experts.get(name)
+        stored = name if part is None else part.source
+        file = self._where.get(stored)
         if file is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         try:
             handle = self._handles.get(file)
             if handle is None:
                 handle = self._handles[file] = safe_open(str(file), framework="pt")
-            return handle.get_tensor(name)
+            if part is None:
+                return handle.get_tensor(name)
+            # Only this expert's rows are read from the file.
+            return handle.get_slice(stored)[part.expert, part.start : part.stop]
         except SafetensorError as exc:
             raise ModelLoadError(f"{file}: cannot read tensor {name!r}: {exc}") from None
 

@@ -193,6 +193,7 @@ def make_plan(
             f"{config.max_position_embeddings} positions {path} was trained for; "
             f"serving {context}\n"
         )
+    caches = caches_for(family, config)
     workspace = estimate_workspace(
         config,
         dtype=dtype,
@@ -201,6 +202,7 @@ def make_plan(
         context=context,
         concurrency=engine.max_concurrency,
         block_size=engine.block_size,
+        caches=caches,
     )
     # `ninfer plan --recipe`; serve plans what it loads (its namespace has no recipe)
     name = vars(ns).get("recipe")
@@ -220,7 +222,7 @@ def make_plan(
         kv_capacity=capacity,
         block_size=engine.block_size,
         headroom_fraction=memory_cfg.memory_headroom,
-        caches=caches_for(family, config),
+        caches=caches,
         draft=draft,
         draft_strategy=strategy,
         state_snapshots=engine.snapshot_count,

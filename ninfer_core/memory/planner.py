@@ -148,7 +148,14 @@ def kv_layers(caches: ModelCaches, codec: KVCodecLike) -> list[LayerKV]:
 
 #: Parameters the kernel backend's `pack_linear` sees (`DenseDecoder.pack_weights`): a
 #: packed projection replaces the loaded matrix; the head is packed too (a tied one as a copy).
-PACKED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+#: The hybrid (Qwen3-Next / Qwen3.5) decoder also packs its Gated DeltaNet's projections
+#: (`model_hybrid.model.pack_layer`) and each `SparseMoE`'s router and shared-expert gate
+#: (`SparseMoE.pack_weights`): a quantized router is dequantized there like any projection,
+#: so it costs its packed bytes, not its stored ones.
+PACKED_PARAMS = (
+    "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
+    "in_proj_qkvz", "in_proj_ba", "out_proj", "router", "shared_expert_gate",
+)  # fmt: skip
 
 #: `(format name, [rows, cols]) -> bytes` the kernel backend's packed form of such a
 #: matrix holds, or None where it keeps the matrix as loaded (see `TorchOps.packed_nbytes`).
@@ -218,8 +225,8 @@ def _slot_params(
         rows = sum(slot.shape[0] for slot in group)
         shape = (rows, *group[0].shape[1:])
         fmt = (fmt_of(group[0].hf_name) if fmt_of else "") or dense
-        if not weight_format(fmt).quantized:
-            fmt, stored = dense, math.prod(shape) * dtype.itemsize  # cast on loading
+        if not weight_format(fmt).quantized:  # cast on loading
+            fmt, stored = _dense_param(group, shape, dtype)
         else:
             stored = sum(
                 sizes.get(s.hf_name) or weight_format(fmt).stored_nbytes(s.shape) for s in group
@@ -241,9 +248,18 @@ def _recipe_params(slots: Sequence[WeightSlot], dtype: torch.dtype, recipe: Reci
         if weight_format(fmt).quantized:
             stored = sum(weight_format(fmt).stored_nbytes(s.shape) for s in group)
         else:
-            fmt, stored = source_format(dtype), math.prod(shape) * dtype.itemsize
+            fmt, stored = _dense_param(group, shape, dtype)
         out.append(_Param(name, shape, fmt, stored))
     return out
+
+
+def _dense_param(
+    group: Sequence[WeightSlot], shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[str, int]:
+    """(format, bytes) of a dense parameter of `shape`: in the dtype its slots say it is
+    held in (`WeightSlot.dtype`), else the compute dtype."""
+    held = group[0].dtype or dtype
+    return source_format(held), math.prod(shape) * held.itemsize
 
 
 def weights_bytes(

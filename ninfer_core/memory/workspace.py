@@ -9,7 +9,12 @@ Two ways to get it:
   after another. That term grows with the context, so at long contexts it dwarfs the
   projections. The SDPA kernel's internal scratch is not modelled (a flash or
   memory-efficient kernel needs O(T·H·D) beside its inputs). Checked against a live-bytes
-  count of a real profiling step in `tests/test_memory_plan.py`.
+  count of a real profiling step in `tests/test_memory_plan.py`. A hybrid model's state
+  layers (`caches`) add their own stage, the Gated DeltaNet's through the reference
+  `causal_conv1d` and chunked `gated_delta_rule` (`linear_attention_bytes`): per step
+  tokens, whatever the context, so it sets the peak only at short contexts; only one
+  layer's temporaries are live at a time, so the number of layers of either kind
+  never enters (`tests/test_hybrid_workspace.py`).
 - `measure_workspace` runs a profiling step at the configured prefill chunk and reads
   `torch.cuda.max_memory_allocated` on CUDA. The CPU has no allocator statistics, so
   there it returns the estimate (an upper bound of what the step allocates).
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 
 from ninfer_core import conformance
+from ninfer_core.model.caches import ModelCaches, SequenceState
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import decode_length
 from ninfer_core.plugin_types import KVCodec, KVStore
@@ -92,6 +98,7 @@ def estimate_workspace(
     concurrency: int = 1,
     logit_rows: int | None = None,
     block_size: int = 16,
+    caches: ModelCaches | None = None,
 ) -> Workspace:
     """Peak bytes of the worst step, stage by stage, from shapes (see the module doc).
 
@@ -99,6 +106,8 @@ def estimate_workspace(
     one of them is needed. `logit_rows`: rows projected onto the vocabulary (default one
     per sequence; drafts being verified need one per draft token). `block_size`: the KV
     page, which a decode row's padded context (`decode_length`) is a multiple of.
+    `caches`: what each layer keeps (the family's `layer_caches`); a state layer adds
+    its stage (`linear_attention_bytes`). None: every layer is attention.
     """
     if kv_store is None:
         if kv_codec is None:
@@ -139,8 +148,48 @@ def estimate_workspace(
         # The head's output in the compute dtype, then as fp32 logits.
         "logits": (logit_rows or b) * config.vocab_size * (c + 4),
     }
+    states = caches.state_layers.values() if caches is not None else ()
+    linear = [linear_attention_bytes(state, t, b, h, c) for state in states]
+    if any(linear):
+        parts["linear_attention"] = max(linear)
     total = parts["step"] + max(v for k, v in parts.items() if k != "step")
     return Workspace(total, "estimate", prefill_chunk, context, concurrency, parts)
+
+
+#: Tokens per chunk of the chunked `gated_delta_rule` (`kernels/delta_rule.py`'s default).
+DELTA_CHUNK = 64
+
+
+def linear_attention_bytes(state: SequenceState, t: int, b: int, hidden: int, c: int) -> int:
+    """Live bytes of a Gated DeltaNet layer over a step of `t` tokens and `b` sequences
+    (`c` bytes a compute-dtype value), read off its state, the ops' contract: the conv's
+    [C, K - 1] (C = q|k|v channels) and the recurrent [Hv, Dk, Dv]; 0 for any other state.
+
+    At the chunked `gated_delta_rule`'s peak (its chunks' outputs being concatenated) the
+    layer holds its normed input; the projections' output (q|k|v|z and b|a: z, a view,
+    keeps it all); the conv's output; the states read for the step, and the running
+    state; q and k normalised in fp32 and repeated per value head, v in fp32, the chunks'
+    outputs and their concatenation, fp32; the output in the compute dtype; and, counted
+    on top though it is freed before the concatenation, one chunk's scratch (four
+    [Hv, C, C] and five [Hv, C, D] fp32, C = `DELTA_CHUNK`): next to the per-token terms
+    it matters only for narrow heads. None of it depends on the context."""
+    shapes = [tensor.shape for tensor in state.tensors]
+    if sorted(len(s) for s in shapes) != [2, 3]:
+        return 0
+    channels = next(s for s in shapes if len(s) == 2)[0]
+    hv, dk, dv = next(s for s in shapes if len(s) == 3)
+    v = hv * dv
+    return (
+        t * hidden * c
+        + t * (channels + v + 2 * hv) * c
+        + t * channels * c
+        + b * state.nbytes
+        + hv * dk * dv * 4
+        + 2 * t * hv * dk * 4
+        + 3 * t * v * 4
+        + t * v * c
+        + hv * DELTA_CHUNK * (4 * DELTA_CHUNK + 5 * max(dk, dv)) * 4
+    )
 
 
 class RunnerLike(Protocol):
@@ -160,28 +209,44 @@ def run_profiling_step(runner: RunnerLike, prefill_chunk: int, context: int, con
     The KV store may be tiny: every sequence's block table cycles over its pages, so
     attention still gathers `context` tokens per sequence. Token id 0 everywhere gives
     finite K/V, which is all pages need (they are overwritten before any real read).
+    A model with state layers gets a state slot for each sequence (the runner's pool,
+    `profiling_runtime(concurrency=...)`), handed back after the step.
     """
     from ninfer_core.engine.sequence import Sequence
 
     _, b, qmax = step_shape(prefill_chunk, context, concurrency)
     num_blocks = runner.kv_store.layout.num_blocks
     table = [p % num_blocks for p in range(-(-context // runner.block_size))]
+    states = getattr(runner, "states", None)
     batch = []
     for n in [qmax] + [1] * (b - 1):
         seq = Sequence([0] * context)
         seq.num_computed_tokens = context - n
         seq.block_table = list(table)
+        if states is not None:
+            seq.state_slot = states.allocate()
         batch.append((seq, n))
-    return runner.run(batch)
+    try:
+        return runner.run(batch)
+    finally:
+        if states is not None:
+            for seq, _ in batch:
+                states.free(seq.state_slot)
 
 
 def measure_workspace(
-    runner: RunnerLike, prefill_chunk: int, *, context: int, concurrency: int = 1
+    runner: RunnerLike,
+    prefill_chunk: int,
+    *,
+    context: int,
+    concurrency: int = 1,
+    caches: ModelCaches | None = None,
 ) -> Workspace:
     """Peak bytes a profiling step allocates beyond what is allocated before it.
 
     CUDA: measured with `torch.cuda.max_memory_allocated` (the store's pages are
-    already allocated, so they are not counted). CPU: `estimate_workspace` instead.
+    already allocated, so they are not counted). CPU: `estimate_workspace` instead
+    (`caches`: the model's, for its state layers' stage).
     """
     model = runner.model
     if runner.device.type != "cuda":
@@ -193,6 +258,7 @@ def measure_workspace(
             context=context,
             concurrency=concurrency,
             block_size=runner.block_size,
+            caches=caches,
         )
     dev = runner.device
     torch.cuda.synchronize(dev)
@@ -213,12 +279,16 @@ def profiling_runtime(
     kv_dtype: str,
     block_size: int,
     prefill_chunk: int,
+    concurrency: int = 1,
 ) -> Runtime:
     """The runtime `run_profiling_step` runs in, before the pool is sized: built by the
     engine's own builder (`engine.runtime.build_runtime`, so the codec, store and runner are
-    the ones the engine will use), with just enough pages for the step's writes."""
+    the ones the engine will use), with just enough pages for the step's writes and, for
+    a model with state layers, a state slot for each of `concurrency` sequences."""
     from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
 
     pages = -(-prefill_chunk // block_size) + 1
-    spec = RuntimeSpec(num_blocks=pages, block_size=block_size, kv_dtype=kv_dtype)
+    spec = RuntimeSpec(
+        num_blocks=pages, block_size=block_size, kv_dtype=kv_dtype, max_sequences=concurrency
+    )
     return build_runtime(loaded, host, device, spec)

@@ -7,12 +7,14 @@ always passes through one gated shared expert:
 
 The reference is transformers' `Qwen3NextSparseMoeBlock` (5.24). Transformers stores the
 experts fused as 3-D parameters (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
-[E, H, I]); checkpoints on the Hub keep one matrix per expert
+[E, H, I]); Qwen3-Next checkpoints keep one matrix per expert
 (`mlp.experts.{e}.gate_proj.weight` ...), which transformers' `qwen2_moe` conversion
 (`conversion_mapping.py`, also used by `qwen3_next` and `qwen3_5_moe_text`) stacks at
-load. We keep the per-expert names instead (`moe_slots`): each expert's gate|up become one
-[2I, H] matrix like the dense `MLP`'s, and every matrix goes through `pack_linear` on its
-own, so a quantized expert stays quantized and a backend packs it like any projection.
+load, while the Hub's Qwen3.5-MoE checkpoints store them stacked. We keep the per-expert
+names (`moe_slots`; a folder lists stacked experts under them, `stacked_experts.py`):
+each expert's gate|up become one [2I, H] matrix like the dense `MLP`'s, and every matrix
+goes through `pack_linear` on its own, so a quantized expert stays quantized and a
+backend packs it like any projection.
 
 Config fields come from `config.json` (`MoEConfig.from_hf` reads `ModelConfig.raw`);
 `ModelConfig` itself stays the dense decoder's.
@@ -32,12 +34,9 @@ from ninfer_core.model.config import LIMITS
 from ninfer_core.model.config_fields import FieldReader
 from ninfer_core.model.layers import empty_param, pack_params
 from ninfer_core.model.ops import KernelOps
+from ninfer_core.model.stacked_experts import MAX_EXPERTS, split_stacked
 from ninfer_core.model.weights import WeightSlot
 from ninfer_core.quant.tensor import QuantizedTensor
-
-#: Upper bound on `num_experts`: 8x Qwen3-Next's 512, low enough that a hostile value
-#: fails here instead of building a module list of millions of experts.
-MAX_EXPERTS = 1 << 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,28 +265,20 @@ def unstack_experts(
     tensors: Mapping[str, Any], config: MoEConfig, hidden_size: int, prefix: str
 ) -> dict[str, torch.Tensor]:
     """The per-expert tensors (`experts.{e}.gate_proj.weight` ...) as views of stacked
-    ones: `experts.gate_up_proj` [E, 2I, H] (gate rows first, as transformers' `qwen2_moe`
-    conversion concatenates them) and `experts.down_proj` [E, H, I].
-
-    Qwen3-Next checkpoints store one matrix per expert; Qwen3.5-MoE's official ones
-    store them stacked (`model.language_model.layers.{n}.mlp.experts.gate_up_proj`).
-    Splitting them into the per-expert names lets one loader serve both."""
+    ones: `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I], split as
+    `stacked_experts.split_stacked` names them (the folder reader's rule too)."""
     e, i, h = config.num_experts, config.moe_intermediate_size, hidden_size
     expected = {"experts.gate_up_proj": (e, 2 * i, h), "experts.down_proj": (e, h, i)}
-    stacked = {}
+    shapes = {}
     for name, shape in expected.items():
         slot = WeightSlot(prefix + name, name, 0, shape)
-        part = _checked(tensors, slot)
-        if not isinstance(part, torch.Tensor):
+        if not isinstance(_checked(tensors, slot), torch.Tensor):
             raise ModelLoadError(f"{slot.hf_name}: stacked experts must be dense tensors")
-        stacked[name] = part
-    gate_up, down = stacked["experts.gate_up_proj"], stacked["experts.down_proj"]
-    out = {}
-    for n in range(e):
-        out[f"{prefix}experts.{n}.gate_proj.weight"] = gate_up[n, :i]
-        out[f"{prefix}experts.{n}.up_proj.weight"] = gate_up[n, i:]
-        out[f"{prefix}experts.{n}.down_proj.weight"] = down[n]
-    return out
+        shapes[slot.hf_name] = shape
+    return {
+        name: tensors[part.source][part.expert, part.start : part.stop]
+        for name, part in split_stacked(shapes).items()
+    }
 
 
 def _checked(tensors: Mapping[str, Any], slot: WeightSlot) -> Any:

@@ -30,6 +30,10 @@ class WeightSlot:
     param: str
     offset: int
     shape: tuple[int, ...]
+    #: The dtype `param` is held in whatever the compute dtype (a hybrid model's fp32
+    #: norms and decay parameters), for the memory plan; None: the compute dtype (a
+    #: quantized tensor keeps its stored format either way).
+    dtype: torch.dtype | None = None
 
 
 def weight_plan(config: ModelConfig) -> list[WeightSlot]:

@@ -31,6 +31,7 @@ from ninfer_core.model.caches import ModelCaches, PagedKV, SequenceState, StateT
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import check_rope
+from ninfer_core.model.stacked_experts import first_stacked
 from ninfer_core.model.weight_budget import held_weights
 from ninfer_core.model.weights import WeightSlot, check_weights, load_weights
 from ninfer_core.plugin_types import Artifact
@@ -92,10 +93,18 @@ class Qwen3NextFamily:
         return config
 
     def check_artifact(self, config: ModelConfig, artifact: Artifact) -> None:
-        """Before anything is allocated: the config's weights fit in what the tensor
-        headers hold (arithmetic, `planned_weights`), then every planned tensor is there
-        with its shape (the first that is not is named)."""
+        """Before anything is allocated: no experts stacked where the reader does not
+        list them per expert (a `.ninfer` converted before that), the config's weights
+        fit in what the tensor headers hold (arithmetic, `planned_weights`), then every
+        planned tensor is there with its shape (the first that is not is named)."""
         hybrid = self.hybrid_config(config)
+        stacked = first_stacked(artifact.tensor_names())
+        if stacked is not None:
+            raise ModelLoadError(
+                f"{artifact.path}: MoE experts stored stacked ({stacked!r}) are read only from "
+                "a model folder; convert the folder again (`ninfer convert` writes one matrix "
+                "per expert)"
+            )
         planned, held = planned_weights(hybrid), held_weights(artifact)
         if planned > held:
             raise ModelLoadError(

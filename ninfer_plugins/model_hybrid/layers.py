@@ -29,22 +29,33 @@ if TYPE_CHECKING:
 class ZeroCentredRMSNorm(nn.Module):
     """Qwen3NextRMSNorm: `normed(x) * (1 + w)`, computed in fp32 and then cast.
 
-    The checkpoint stores w centred on zero. `1 + w` is formed once in fp32 after loading
-    (`finalize`), so the kernel's plain `rms_norm` does the work and the product rounds
-    once, as transformers' `(x * (1 + w.float())).type_as(x)` does."""
+    The checkpoint stores w centred on zero; `weight` is loaded as fp32 (whatever the
+    compute dtype: transformers multiplies by `1 + w.float()`) and turned into `1 + w`
+    in place once after loading (`finalize`), so the kernel's plain `rms_norm` does the
+    work, the product rounds once as transformers' `(x * (1 + w.float())).type_as(x)`
+    does, and the norm holds one fp32 vector, not w and `1 + w` both (the memory plan
+    counts 4 bytes an element: `HELD_DTYPE`)."""
+
+    #: The dtype `weight` is held in, whatever the compute dtype.
+    HELD_DTYPE = torch.float32
 
     def __init__(self, size: int, eps: float, ops: KernelOps, dtype: torch.dtype) -> None:
         super().__init__()
         self.ops, self.eps, self.dtype = ops, eps, dtype
-        self.weight = empty_param(size, dtype=torch.float32, device=ops.device)
-        self.scale: torch.Tensor | None = None
+        self.weight = empty_param(size, dtype=self.HELD_DTYPE, device=ops.device)
+        #: Whether `weight` holds `1 + w` yet (`finalize` ran).
+        self.finalized = False
 
+    @torch.no_grad()
     def finalize(self) -> None:
-        """After loading: the fp32 `1 + w` the forward multiplies by."""
-        self.scale = 1.0 + self.weight.detach().float()
+        """After loading: `weight` becomes the fp32 `1 + w` the forward multiplies by
+        (once; a second call changes nothing)."""
+        if not self.finalized:
+            self.weight.add_(1.0)
+            self.finalized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        scale = self.weight if self.finalized else 1.0 + self.weight
         return self.ops.rms_norm(x, scale, self.eps).to(self.dtype)
 
 
@@ -117,6 +128,10 @@ class GatedDeltaNet(nn.Module):
     pass, a chunked prefill and decode token by token give the same numbers.
     """
 
+    #: `dt_bias` and `A_log` are held in fp32 whatever the compute dtype, as transformers
+    #: computes with them: `-A_log.float().exp() * softplus(a.float() + dt_bias)`.
+    DECAY_DTYPE = torch.float32
+
     def __init__(
         self, config: HybridConfig, layer: int, ops: KernelOps, dtype: torch.dtype
     ) -> None:
@@ -132,9 +147,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba = empty_param(2 * lin.num_value_heads, h, dtype=dtype, device=dev)
         # The checkpoint's [C, 1, K] (an nn.Conv1d with groups = C); the op reads [C, K].
         self.conv1d_weight = empty_param(lin.conv_dim, 1, lin.conv_kernel, dtype=dtype, device=dev)
-        # fp32 as transformers computes with them: `-A_log.float().exp() * softplus(...)`.
-        self.dt_bias = empty_param(lin.num_value_heads, dtype=torch.float32, device=dev)
-        self.A_log = empty_param(lin.num_value_heads, dtype=torch.float32, device=dev)
+        decay = self.DECAY_DTYPE
+        self.dt_bias = empty_param(lin.num_value_heads, dtype=decay, device=dev)
+        self.A_log = empty_param(lin.num_value_heads, dtype=decay, device=dev)
         self.norm_weight = empty_param(lin.value_head_dim, dtype=dtype, device=dev)
         self.out_proj = empty_param(h, lin.value_dim, dtype=dtype, device=dev)
 

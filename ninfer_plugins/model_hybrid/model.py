@@ -198,7 +198,7 @@ def weight_plan(config: HybridConfig) -> list[WeightSlot]:
         plan += layer_slots(
             config, hf, ours, linear=config.is_linear(n), sparse=config.is_sparse(n)
         )
-    plan.append(WeightSlot(prefix + "norm.weight", "norm.weight", 0, (h,)))
+    plan.append(norm_slot(prefix + "norm.weight", "norm.weight", h))
     if not base.tie_word_embeddings:
         plan.append(WeightSlot("lm_head.weight", "lm_head", 0, (v, h)))
     return plan
@@ -213,12 +213,9 @@ def layer_slots(
     (`mtp.py`): full attention under `mtp.layers.0.`, whatever the decoder's layer 0 is."""
     base, h = config.base, config.base.hidden_size
     plan = [
-        WeightSlot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", 0, (h,)),
-        WeightSlot(
-            hf + "post_attention_layernorm.weight",
-            ours + "post_attention_layernorm.weight",
-            0,
-            (h,),
+        norm_slot(hf + "input_layernorm.weight", ours + "input_layernorm.weight", h),
+        norm_slot(
+            hf + "post_attention_layernorm.weight", ours + "post_attention_layernorm.weight", h
         ),
     ]
     if linear:
@@ -235,6 +232,12 @@ def layer_slots(
             WeightSlot(hf + "mlp.down_proj.weight", ours + "mlp.down_proj", 0, (h, i)),
         ]
     return plan
+
+
+def norm_slot(hf_name: str, param: str, size: int) -> WeightSlot:
+    """A zero-centred norm's weight: held in fp32 whatever the compute dtype
+    (`ZeroCentredRMSNorm.HELD_DTYPE`), as the memory plan must count it."""
+    return WeightSlot(hf_name, param, 0, (size,), ZeroCentredRMSNorm.HELD_DTYPE)
 
 
 def planned_weights(config: HybridConfig) -> int:
@@ -271,8 +274,8 @@ def _linear_slots(config: HybridConfig, hf: str, ours: str) -> list[WeightSlot]:
     return [
         *_in_proj_slots(config, hf, ours),
         WeightSlot(hf + "conv1d.weight", ours + "conv1d_weight", 0, (c.conv_dim, 1, c.conv_kernel)),
-        WeightSlot(hf + "dt_bias", ours + "dt_bias", 0, (hv,)),
-        WeightSlot(hf + "A_log", ours + "A_log", 0, (hv,)),
+        WeightSlot(hf + "dt_bias", ours + "dt_bias", 0, (hv,), GatedDeltaNet.DECAY_DTYPE),
+        WeightSlot(hf + "A_log", ours + "A_log", 0, (hv,), GatedDeltaNet.DECAY_DTYPE),
         WeightSlot(hf + "norm.weight", ours + "norm_weight", 0, (c.value_head_dim,)),
         WeightSlot(hf + "out_proj.weight", ours + "out_proj", 0, (h, c.value_dim)),
     ]
@@ -306,6 +309,6 @@ def _attention_slots(config: HybridConfig, hf: str, ours: str) -> list[WeightSlo
         WeightSlot(hf + "k_proj.weight", ours + "qkv_proj", 2 * q, (kv, h)),
         WeightSlot(hf + "v_proj.weight", ours + "qkv_proj", 2 * q + kv, (kv, h)),
         WeightSlot(hf + "o_proj.weight", ours + "o_proj", 0, (h, q)),
-        WeightSlot(hf + "q_norm.weight", ours + "q_norm.weight", 0, (d,)),
-        WeightSlot(hf + "k_norm.weight", ours + "k_norm.weight", 0, (d,)),
+        norm_slot(hf + "q_norm.weight", ours + "q_norm.weight", d),
+        norm_slot(hf + "k_norm.weight", ours + "k_norm.weight", d),
     ]

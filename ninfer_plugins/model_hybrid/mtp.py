@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ninfer_core.loading import with_components
-from ninfer_core.memory.planner import PackedBytes, slots_bytes
+from ninfer_core.memory.planner import PACKED_PARAMS, PackedBytes, slots_bytes
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.layers import empty_param, pack_params
 from ninfer_core.model.ops import KernelOps
@@ -32,7 +32,13 @@ from ninfer_core.model.weights import WeightSlot, check_weights, load_weights
 from ninfer_core.plugin_types import Artifact
 from ninfer_plugins.model_hybrid.config import HybridConfig
 from ninfer_plugins.model_hybrid.layers import ZeroCentredRMSNorm
-from ninfer_plugins.model_hybrid.model import HybridLayer, finalize_norms, layer_slots, pack_layer
+from ninfer_plugins.model_hybrid.model import (
+    HybridLayer,
+    finalize_norms,
+    layer_slots,
+    norm_slot,
+    pack_layer,
+)
 
 if TYPE_CHECKING:
     from ninfer_core.model.attention_meta import AttentionMetadata
@@ -41,14 +47,9 @@ if TYPE_CHECKING:
 #: Where the checkpoints keep it, and the `.ninfer` component holding it.
 PREFIX, COMPONENT = "mtp.", "mtp"
 #: The parameters (last name part) handed to `pack_linear` once loaded, as the planner
-#: sizes them: fc and the layer's projections, a `SparseMoE`'s router, shared-expert gate
-#: and experts included (a quantized router is packed, dequantized on some backends).
-PACKED = frozenset(
-    {"fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "router", "shared_expert_gate"}
-)
-#: A zero-centred norm holds its weight and `1 + w` both in fp32 (`ZeroCentredRMSNorm`),
-#: whatever the compute dtype: 8 bytes an element.
-NORM_BYTES = 8
+#: sizes them: fc and the layer's projections as the decoder's (`PACKED_PARAMS`: a
+#: `SparseMoE`'s router, shared-expert gate and experts included).
+PACKED = frozenset({"fc", *PACKED_PARAMS})
 
 
 def mtp_slots(config: HybridConfig) -> list[WeightSlot]:
@@ -57,10 +58,10 @@ def mtp_slots(config: HybridConfig) -> list[WeightSlot]:
     p = PREFIX
     return [
         WeightSlot(p + "fc.weight", "fc", 0, (h, 2 * h)),
-        WeightSlot(p + "pre_fc_norm_embedding.weight", "pre_fc_norm_embedding.weight", 0, (h,)),
-        WeightSlot(p + "pre_fc_norm_hidden.weight", "pre_fc_norm_hidden.weight", 0, (h,)),
+        norm_slot(p + "pre_fc_norm_embedding.weight", "pre_fc_norm_embedding.weight", h),
+        norm_slot(p + "pre_fc_norm_hidden.weight", "pre_fc_norm_hidden.weight", h),
         *layer_slots(config, p + "layers.0.", "layer.", linear=False, sparse=config.is_sparse(0)),
-        WeightSlot(p + "norm.weight", "norm.weight", 0, (h,)),
+        norm_slot(p + "norm.weight", "norm.weight", h),
     ]
 
 
@@ -148,15 +149,12 @@ class HybridMTP:
         dtype: torch.dtype,
         packed_bytes: PackedBytes | None = None,
     ) -> int:
-        """The planner's rules for the tensors (`slots_bytes`), plus what the zero-centred
-        norms hold beyond a `dtype` copy: their fp32 weight and `1 + w`."""
+        """The planner's rules for the tensors (`slots_bytes`; the zero-centred norms'
+        slots say they are held in fp32)."""
         slots = self.weight_slots(config, artifact)
-        total = slots_bytes(
+        return slots_bytes(
             slots, dtype, artifact=artifact, packed_bytes=packed_bytes, packed=PACKED
         )
-        # Every vector of the layer is a zero-centred norm's weight.
-        norms = sum(s.shape[0] for s in slots if len(s.shape) == 1)
-        return total + norms * (NORM_BYTES - dtype.itemsize)
 
     def build(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype) -> HybridMTPLayer:
         return HybridMTPLayer(self.hybrid_config(config), ops, dtype)
