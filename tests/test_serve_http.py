@@ -258,7 +258,7 @@ COMMON = {  # case -> (body for chat, body for completions)
     "max_tokens not an int": (with_(CHAT, max_tokens=[1]), with_(COMPLETION, max_tokens=1.5)),
     "max_tokens negative": (with_(CHAT, max_tokens=-5), with_(COMPLETION, max_tokens=0)),
     "max_tokens huge": (with_(CHAT, max_tokens=10**30), with_(COMPLETION, max_tokens=10**30)),
-    "n huge": (with_(CHAT, n=10**20), with_(COMPLETION, n=2)),
+    "n huge": (with_(CHAT, n=10**20), with_(COMPLETION, n=0)),
     "seed not an int": (with_(CHAT, seed="abc"), with_(COMPLETION, seed=[1])),
     "stop too many": (with_(CHAT, stop=["x"] * 65), with_(COMPLETION, stop=["x"] * 65)),
     "stop too long": (with_(CHAT, stop=["x" * 257]), with_(COMPLETION, stop="x" * 257)),
@@ -290,7 +290,7 @@ CHAT_ONLY = {
     "tool_choice without tools": with_(CHAT, tool_choice="required"),
     "top_logprobs over 20": with_(CHAT, logprobs=True, top_logprobs=21),
     "top_logprobs without logprobs": with_(CHAT, top_logprobs=2),
-    "json mode": with_(CHAT, response_format={"type": "json_object"}),
+    "unknown response format": with_(CHAT, response_format={"type": "xml"}),
     "reserved template kwarg": with_(CHAT, chat_template_kwargs={"add_generation_prompt": False}),
     "tool call arguments not text": with_(
         CHAT,

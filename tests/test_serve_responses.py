@@ -302,7 +302,7 @@ def test_the_store_bounds_its_characters_too():
         (dict(input="Hi", max_output_tokens=0), "max_output_tokens"),
         (dict(input="Hi", max_output_tokens=10**6), "max_output_tokens"),
         (dict(input="Hi", temperature=-1), "temperature"),
-        (dict(input="Hi", text={"format": {"type": "json_object"}}), "text.format"),
+        (dict(input="Hi", text={"format": {"type": "xml"}}), "text.format"),
         (dict(input="Hi", background=True), "background"),
         (dict(input="Hi", tool_choice="required"), "tool_choice"),
         (dict(input="Hi", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"}),

@@ -1,4 +1,5 @@
-"""`ninfer bench ...`: decode speed against a peer, artifacts, GGUF, engine, KV, serving.
+"""`ninfer bench ...`: decode speed against a peer, context length, artifacts, GGUF, engine,
+KV, serving.
 
 A benchmark, not a test: it takes minutes and its figures depend on the machine. The
 work is in `ninfer_core.bench`; this module parses options and prints the table.
@@ -14,6 +15,7 @@ from typing import Any
 
 from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.artifact import ArtifactBenchConfig
+from ninfer_core.bench.context import ContextBenchConfig
 from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
 from ninfer_core.bench.engine import EngineBenchConfig
 from ninfer_core.bench.gguf import GGUFBenchConfig
@@ -85,6 +87,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     e.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
+    c = benches.add_parser(
+        "context",
+        help="prefill/decode tok/s against context length (1K-32K), a hybrid beside a dense model",
+        description="A small Qwen3-Next-shaped hybrid (3 Gated DeltaNet : 1 full-attention "
+        "layers) and a dense Qwen3-shaped model of about its size, both random weights built "
+        "and cached on first use, each prefill a prompt of every context length and decode "
+        "--new tokens through the engine, alternately: prefill and decode tok/s, each "
+        "model's decode against its own at the shortest context, hybrid/dense ratios.",
+    )
+    add_config_arguments(c, ContextBenchConfig)
+    c.set_defaults(run=run_context)
     k = _bench(
         benches, "kv", KVBenchConfig, run_kv,
         help="decode tok/s over long cached contexts per KV codec, against fp16",
@@ -119,11 +132,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     s = benches.add_parser(
         "serve",
-        help="TTFT and tok/s of an OpenAI-compatible server (NInfer, vLLM, llama.cpp) at C1, C2",
-        description="Streaming requests to URL/v1/chat/completions (or /v1/completions) at each "
-        "concurrency level: TTFT p50/p90, decode tok/s per stream, aggregate tok/s, errors.",
+        help="the deployment guide's table (TTFT, prefill, decode, MTP) for any OpenAI- or "
+        "Anthropic-compatible server",
+        description="Coding and agent prompts of mixed Chinese/English at each context length "
+        "(counted in the server's own tokens) and concurrency, streamed to --url (NInfer, "
+        "vLLM, llama.cpp): TTFT, prefill tok/s, decode tok/s, speculation acceptance and tokens "
+        "per round where reported, and C2's wait for the other request's prefill; median and "
+        "spread over --runs. --compare URL2 runs the same workload against a second server. "
+        "--out DIR writes JSON, Markdown and PNG plots.",
     )
-    s.add_argument("url", help="the server, e.g. http://127.0.0.1:18020")
+    s.add_argument("url_arg", nargs="?", metavar="URL", help="the server (or --url)")
     s.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
     add_config_arguments(s, ServeBenchConfig)
     s.set_defaults(run=run_serve)
@@ -164,7 +182,7 @@ def run(ns: argparse.Namespace) -> int:
     return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
 
 
-def _check(cfg: TimedRunConfig) -> None:
+def _check(cfg: TimedRunConfig | ContextBenchConfig) -> None:
     try:
         cfg.check()
     except ValueError as exc:
@@ -240,6 +258,15 @@ def run_engine(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_context(ns: argparse.Namespace) -> int:
+    from ninfer_core.bench.context import render, run_bench
+
+    cfg = config_from_args(ContextBenchConfig, ns)
+    _check(cfg)
+    result = run_bench(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return _emit(result, cfg.as_json, render)
+
+
 def run_kv(ns: argparse.Namespace) -> int:
     from ninfer_core.bench.checkpoint import ensure_checkpoint
     from ninfer_core.bench.kv import bench_kv
@@ -264,22 +291,28 @@ def run_kv(ns: argparse.Namespace) -> int:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    from ninfer_core.bench.serve import run_serve_bench, table
+    from pathlib import Path
+
+    from ninfer_core.bench.serve import planned_requests, run_serve_bench
+    from ninfer_core.bench.serve_report import markdown, progress_display, write_outputs
 
     cfg = config_from_args(ServeBenchConfig, ns)
-    result = run_serve_bench(ns.url, cfg)
+    cfg.url = cfg.url or ns.url_arg
+    cfg.check()
+    if cfg.out and cfg.plot:  # before the run, not after an hour of it
+        from ninfer_core.bench.serve_plot import require_matplotlib
+
+        require_matplotlib()
+    with progress_display(planned_requests(cfg)) as progress:
+        result = run_serve_bench(cfg, progress)
+    written = write_outputs(result, Path(cfg.out), cfg.plot) if cfg.out else []
     if ns.as_json:
-        json.dump(result, sys.stdout, indent=2)
+        json.dump(result, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
-        return 0
-    print(f"{result['url']} model {result['model']} ({result['api']}), prompt ~{cfg.prompt_tokens} "
-          f"tokens ({result['prompt_words']} words), {cfg.max_tokens} new, "
-          f"{cfg.requests} requests per level")  # fmt: skip
-    print(kernel_ops_line(result["kernel_ops"]))
-    print(table(result))
-    for r in result["levels"]:
-        if r["first_error"]:
-            print(f"C{r['concurrency']}: first error: {r['first_error']}")
+    else:
+        print(markdown(result))
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

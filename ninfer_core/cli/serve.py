@@ -272,6 +272,7 @@ def load_state(
         default_max_tokens=serve.default_max_tokens,
         temperature=serve.temperature, top_p=serve.top_p, top_k=serve.top_k,
         min_p=serve.min_p, repetition_penalty=serve.repetition_penalty,
+        pooling=serve.pooling,
     )  # fmt: skip
     state = ServeState(
         engine=engine,

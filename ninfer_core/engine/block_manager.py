@@ -106,6 +106,27 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.block_hashes = []
 
+    def share_prompt(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (holding nothing) `parent`'s computed full pages by reference and a
+        fresh page for its partial last one (a fork, `engine/fanout.py`); returns (parent's
+        partial page, child's page) for the caller to copy, or None when the computed
+        tokens end on a block boundary. Full pages are never written again, so sharing
+        them is safe; the partial one is written by each fork's next token, so it is not."""
+        if child.block_table:
+            raise ValueError(f"sequence {child.seq_id} already holds KV blocks")
+        full, rest = divmod(parent.num_computed_tokens, self.block_size)
+        for block in parent.block_table[:full]:
+            self._refs[block] += 1
+            child.block_table.append(block)
+        child.block_hashes = list(parent.block_hashes[:full])
+        if not rest:
+            return None
+        if not self.num_free_blocks:
+            raise OutOfBlocksError(f"no free KV block to fork sequence {parent.seq_id}")
+        page = self._take()
+        child.block_table.append(page)
+        return parent.block_table[full], page
+
     # -- prefix cache ----------------------------------------------------------------------
 
     def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> tuple[int, int]:

@@ -35,7 +35,9 @@ import torch
 
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.constraints import advance, mask_grammar, mask_round_grammar
 from ninfer_core.engine.engine_thread import StepThread
+from ninfer_core.engine.fanout import can_fork, child_params, family_blocks, fork
 from ninfer_core.engine.faults import run_isolated, unusable_rows
 from ninfer_core.engine.model_runner import StepForward
 from ninfer_core.engine.request import (
@@ -79,6 +81,7 @@ from ninfer_core.engine.token_extras import (
 from ninfer_core.loading import LoadedModel
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.sampling import Sampler, TokenLogprobs
+from ninfer_core.sampling.grammar import GrammarCompiler
 from ninfer_core.spec.config import SpecConfig
 from ninfer_core.spec.stats import SpecCounters, SpecUsage
 from ninfer_core.spec.types import DraftInput
@@ -113,6 +116,8 @@ class Engine(StepThread):
         self.model_stop_ids = stop_token_ids(defaults, artifact.config, self.tokenizer.eos_token_id)
         self.max_context = config.context_for(model_cfg.max_position_embeddings)
         self.vocab_size = model_cfg.vocab_size
+        #: The width of the final hidden states, and so of an embedding (`pooling.py`).
+        self.hidden_size: int | None = getattr(model_cfg, "hidden_size", None)
         # Unset, the pool holds one context the model can serve, not the one asked for.
         pool = RuntimeSpec.for_tokens(
             config.kv_capacity or self.max_context, config.block_size, kv_dtype=kv_dtype,
@@ -138,6 +143,7 @@ class Engine(StepThread):
             )
             self.runner.keep_hidden = self.drafter.uses_hidden
         self._drafter_failed = False
+        self._grammars: GrammarCompiler | None = None
         self._spec_logged_at = clock()
         self._spec_logged = SpecCounters()
         self._lock = threading.Lock()
@@ -145,6 +151,8 @@ class Engine(StepThread):
         self._live: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._cancelled: set[str] = set()
+        #: A forked request's id -> the ids of its completions (`engine/fanout.py`).
+        self._families: dict[str, list[str]] = {}
         self._thread: threading.Thread | None = None
         self._closing = False
 
@@ -162,7 +170,13 @@ class Engine(StepThread):
                 f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
             )
         max_tokens = request.max_tokens or max(0, self.max_context - n)
-        if not max_tokens or n + max_tokens > self.max_context:
+        if request.pooling is not None:  # an embedding: the prompt alone (pooling.py)
+            max_tokens = 0
+            if n > self.max_context:
+                raise RequestTooLargeError(
+                    f"the input has {n} tokens; the context holds {self.max_context}"
+                )
+        elif not max_tokens or n + max_tokens > self.max_context:
             raise RequestTooLargeError(
                 f"the prompt has {n} tokens and max_tokens is {max_tokens}: "
                 f"{n + max_tokens} tokens; the context holds {self.max_context}"
@@ -172,11 +186,11 @@ class Engine(StepThread):
                 f"prompt plus max_tokens is {n + max_tokens} tokens; the KV pool holds "
                 f"{self.block_manager.num_blocks * self.config.block_size}"
             )
-        stop_ids = set(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids |= set(self.model_stop_ids)
+        self._check_fan_out(request, max_tokens)
         seq = Sequence(request.prompt_ids, max_tokens=max_tokens, cache_salt=request.cache_salt)
-        state = RequestState(request, seq, sink, self.tokenizer, stop_ids)
+        seq.fan_out = request.n
+        seq.embedding = request.pooling is not None
+        state = RequestState(request, seq, sink, self.tokenizer, self._stop_ids(request))
         if self.drafter is not None:
             state.spec = SpecUsage()
         with self._lock:
@@ -197,11 +211,42 @@ class Engine(StepThread):
             self._wake.notify()
         return sink
 
+    def _stop_ids(self, request: GenerationRequest) -> set[int]:
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= set(self.model_stop_ids)
+        return stop_ids
+
+    def _check_fan_out(self, request: GenerationRequest, max_tokens: int) -> None:
+        """Refuse an `n` this engine cannot serve (`engine/fanout.py` says why)."""
+        n = request.n
+        if n == 1:
+            return
+        if n > self.config.max_concurrency:
+            raise InvalidRequestError(
+                f"n={n} is more than this server runs at once (max concurrency "
+                f"{self.config.max_concurrency})"
+            )
+        why = None
+        if self.drafter is not None:
+            why = "this server decodes speculatively"
+        elif not can_fork(self.runtime.kv_store):
+            why = f"the {self.kv_codec} KV store cannot copy a page"
+        if why is not None:
+            raise InvalidRequestError(f"n > 1 is not supported here: {why}")
+        bm, prompt = self.block_manager, len(request.prompt_ids)
+        if family_blocks(bm, prompt, max_tokens, n) > bm.num_blocks:
+            raise RequestTooLargeError(
+                f"the prompt's {prompt} tokens once plus n={n} times max_tokens={max_tokens} "
+                f"need {family_blocks(bm, prompt, max_tokens, n)} KV blocks; the pool holds "
+                f"{bm.num_blocks}"
+            )
+
     def submit(self, request: GenerationRequest) -> EventStream:
         """Queue `request` and stream its events into the running event loop (starting the
         step thread if needed). Raises at once like `add`; a later queue timeout or failed
         step is raised by the stream."""
-        stream = EventStream(request.request_id, self, asyncio.get_running_loop())
+        stream = EventStream(request.request_id, self, asyncio.get_running_loop(), request.n)
         self.start()
         self.add(request, stream)
         return stream
@@ -211,14 +256,16 @@ class Engine(StepThread):
         it is not (or no longer) live."""
         events: list[tuple[Sink, GenerationEvent]] = []
         with self._lock:
-            live = self._live.get(request_id)
-            if live is None:
+            ids = self._families.get(request_id, [request_id])
+            lives = [self._live[i] for i in ids if i in self._live]
+            if not lives:
                 return False
-            if live.seq.status is SequenceStatus.WAITING:
-                self._end(live, "cancelled", events)
-            else:  # it may be in a forward right now: end it at the step boundary
-                self._cancelled.add(request_id)
-                self._wake.notify()
+            for live in lives:
+                if live.seq.status is SequenceStatus.WAITING:
+                    self._end(live, "cancelled", events)
+                else:  # it may be in a forward right now: end it at the step boundary
+                    self._cancelled.add(live.request_id)
+                    self._wake.notify()
         self._emit(events)
         return True
 
@@ -264,6 +311,11 @@ class Engine(StepThread):
             start = self.clock()
             # A failure is pinned on the sequences that fail alone too (faults.py): the
             # others go on, so one request's fault never ends another client's stream.
+            # The final hidden states: for a drafter that reads them, and for the steps
+            # that prefill an embedding request's prompt (`engine/pooling.py`).
+            self.runner.keep_hidden = (
+                self.drafter is not None and self.drafter.uses_hidden
+            ) or any(seq.embedding for seq, _ in plan.batch)
             result = run_isolated(self.runner.step, plan.batch)
             begun = dict(zip((s.seq_id for s, _ in plan.batch), starts, strict=True))
             with self._lock:
@@ -281,6 +333,7 @@ class Engine(StepThread):
                 self._apply_cancels(events)  # those that came during the forward
                 accepted: dict[int, int] = {}
                 if result.output is not None:
+                    self._pool(result.ok, result.output, events)
                     self._postprocess(result.ok, result.output.logits, events, accepted)
                     self.scheduler.snapshot_prefills(result.ok)
                     if self.drafter is not None:
@@ -380,13 +433,14 @@ class Engine(StepThread):
                 continue
             self.block_manager.commit(seq)
             if seq.num_pending_tokens == 0:  # prompt done or a decode: sample its next token
-                rows.append(first)
-                lives.append(self._by_seq[seq.seq_id])
+                for live in self._forked(self._by_seq[seq.seq_id], events):  # n > 1: all n
+                    rows.append(first)
+                    lives.append(live)
         for live, round_, verify_rows in rounds:
             accepted[live.seq.seq_id] = self._verify(live, round_, verify_rows, events)
         if not rows:
             return
-        if len(rows) < logits.shape[0]:  # a decode step samples every row: no copy then
+        if rows != list(range(logits.shape[0])):  # a decode step samples every row: no copy
             logits = logits[rows]
         # Per sequence from here: a row, a token or a text step that fails ends its own request.
         keep = []
@@ -397,7 +451,7 @@ class Engine(StepThread):
                 keep.append(j)
         if len(keep) < len(lives):
             lives, logits = [lives[j] for j in keep], logits[keep]
-        tokens = self._sample(mask_min_tokens(logits, lives), lives, events)
+        tokens = self._sample(self._masked(logits, lives, events), lives, events)
         logprobs = self._logprobs(logits, lives, tokens, events)
         for live, token, lp in zip(lives, tokens, logprobs, strict=True):
             if token is None:
@@ -413,6 +467,65 @@ class Engine(StepThread):
                 log.exception("postprocessing request %s failed", live.request_id)
                 self._fail(live, f"{type(exc).__name__}: {exc}", events)
 
+    def _pool(self, batch: list[tuple[Sequence, int]], output: StepForward, events: list) -> None:
+        """Fold each embedding request's rows of the step into its pooler, and end those
+        whose prompt is done with their vector (`engine/pooling.py`); they sample nothing.
+        A failure ends only its own request."""
+        offset = 0
+        for seq, n in batch:
+            start, offset = offset, offset + n  # n counts its drafts, if any
+            if not seq.embedding or seq.status is not SequenceStatus.RUNNING:
+                continue
+            live = self._by_seq[seq.seq_id]
+            try:
+                if output.hidden is None:
+                    raise RuntimeError("the step kept no hidden states")
+                live.pooler.feed(output.hidden[start : start + n])
+                if seq.num_pending_tokens == 0:
+                    self.block_manager.commit(seq)  # its full blocks serve later prompts
+                    self._end(live, "stop", events, embedding=live.pooler.result())
+            except Exception as exc:
+                log.exception("pooling request %s failed", live.request_id)
+                self._fail(live, f"pooling: {type(exc).__name__}: {exc}", events)
+
+    def _forked(self, live: RequestState, events: list) -> list[RequestState]:
+        """`live`, and when its prompt is done and it asked for `n` > 1, its `n - 1` forks
+        (`engine/fanout.py`), each a request of its own in the engine's tables that speaks
+        for `live`'s id with its own `index`. A fork that fails ends the request."""
+        seq = live.seq
+        if seq.fan_out == 1:
+            return [live]
+        forks: list[Sequence] = []
+        try:
+            for _ in range(seq.fan_out - 1):
+                forks.append(
+                    fork(seq, self.block_manager, self.runtime.kv_store, self.runtime.states)
+                )
+        except Exception as exc:
+            log.exception("forking request %s failed", live.request_id)
+            for child in forks:
+                self.block_manager.free(child)
+                if child.state_slot is not None:
+                    self.runtime.states.free(child.state_slot)
+            seq.fan_out = 1
+            self._fail(live, f"forking its completions: {type(exc).__name__}: {exc}", events)
+            return []
+        rid, family = live.request_id, [live]
+        for index, child in enumerate(forks, 1):
+            request = dataclasses.replace(
+                live.request,
+                request_id=f"{rid}#{index}",
+                params=child_params(live.request.params, index),
+                n=1,
+            )
+            state = RequestState(request, child, live.sink, self.tokenizer, self._stop_ids(request))
+            state.index, state.event_id = index, live.event_id
+            self._live[request.request_id] = self._by_seq[child.seq_id] = state
+            family.append(state)
+        self._families[rid] = [member.request_id for member in family]
+        self.scheduler.adopt(seq, forks)
+        return family
+
     def _verify(self, live: RequestState, round_: Round, rows: torch.Tensor, events: list) -> int:
         """Accept what the target agrees with of one sequence's drafts (`speculation.py`);
         returns the drafts accepted. A failure ends only this request.
@@ -426,7 +539,10 @@ class Engine(StepThread):
             self._fail(live, "the model's logits for this request hold no finite value", events)
             return 0
         try:
-            chooser = RowChooser(self.sampler, live, round_, mask_round(rows, live))
+            masked = mask_round_grammar(
+                mask_round(rows, live), live, round_.drafts, self._grammars_if(live)
+            )
+            chooser = RowChooser(self.sampler, live, round_, masked)
             accepted = verify(
                 seq, round_, chooser,
                 round_acceptor(live, rows, lambda t, lp: self._accept(live, t, events, lp)),
@@ -456,6 +572,38 @@ class Engine(StepThread):
             self.block_manager.commit(seq)
 
         return advance
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles requests' constraints for this model's vocabulary (made on first use:
+        an engine that never sees a constraint never builds the tokenizer trie)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.model_stop_ids)
+        return self._grammars
+
+    def _grammars_if(self, live: RequestState) -> GrammarCompiler | None:
+        return self.grammars if live.request.constraint is not None else None
+
+    def _masked(
+        self, logits: torch.Tensor, lives: list[RequestState], events: list
+    ) -> torch.Tensor:
+        """The step's rows with `min_tokens` and the grammars applied; a grammar that fails
+        ends its own request (its row is left as it is; its token is then dropped)."""
+        logits = mask_min_tokens(logits, lives)
+        if not any(live.request.constraint is not None for live in lives):
+            return logits
+        try:
+            return mask_grammar(logits, lives, self.grammars)
+        except Exception:
+            log.exception("masking the batch by its grammars failed; masking row by row")
+        rows = []
+        for j, live in enumerate(lives):
+            try:
+                rows.append(mask_grammar(logits[j : j + 1], [live], self.grammars))
+            except Exception as exc:
+                self._fail(live, f"the grammar failed: {type(exc).__name__}: {exc}", events)
+                rows.append(logits[j : j + 1])
+        return torch.cat(rows)
 
     def _sample(self, logits: torch.Tensor, lives: list[RequestState], events: list) -> list:
         """One token per row (None where its request ended): the batch in one call, and if
@@ -503,13 +651,18 @@ class Engine(StepThread):
         that ended the request."""
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
-        event, stop, at_limit = state.accept(token, logprobs)
+        if state.seq.status is SequenceStatus.FINISHED:  # its grammar failed in this step
+            return True
+        complete = advance(state, token)  # its grammar, when it has one: may raise
+        event, stop, at_limit = state.accept(token, logprobs, last=complete)
         events.append((state.sink, event))
         if stop.finished:
             self._end(state, "stop", events, matched=stop.matched)
+        elif complete:
+            self._end(state, "stop", events)
         elif at_limit:
             self._end(state, "length", events)
-        return stop.finished or at_limit
+        return stop.finished or complete or at_limit
 
     def _fail(self, live: RequestState, why: str, events: list) -> None:
         """End one request with an internal error; the rest of the step goes on."""
@@ -524,6 +677,7 @@ class Engine(StepThread):
         *,
         error: EngineError | None = None,
         matched: str | int | None = None,
+        embedding: torch.Tensor | None = None,
     ) -> None:
         seq, rid = live.seq, live.request_id
         if seq.status is SequenceStatus.RUNNING:
@@ -535,8 +689,20 @@ class Engine(StepThread):
             self.scheduler.remove_waiting(seq)
         del self._live[rid], self._by_seq[seq.seq_id]
         self._cancelled.discard(rid)
-        self.counters.cached_tokens += seq.num_cached_tokens
-        events.append((live.sink, FinishEvent(rid, reason, live.usage(), error, matched)))
+        family = self._families.get(live.event_id)
+        if family is not None and not any(member in self._live for member in family):
+            del self._families[live.event_id]
+        if live.index == 0:  # a forked request's prompt is counted once
+            self.counters.cached_tokens += seq.num_cached_tokens
+        usage = live.usage()
+        finish = FinishEvent(live.event_id, reason, usage, error, matched, live.index, embedding)
+        events.append((live.sink, finish))
+        # Ended before it forked (cancelled or refused while queued or prefilling): its
+        # other completions end with it, so a consumer counting `n` finishes sees them all.
+        unborn = dataclasses.replace(usage, completion_tokens=0)
+        for index in range(1, seq.fan_out):
+            events.append((live.sink, dataclasses.replace(finish, usage=unborn, index=index)))
+        seq.fan_out = 1
 
     def _release(self, seq_id: int) -> None:
         try:

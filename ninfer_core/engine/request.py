@@ -17,13 +17,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ninfer_core.engine.pooling import POOLINGS, Pooler
 from ninfer_core.engine.sequence import Sequence as Seq
 from ninfer_core.errors import NInferError
 from ninfer_core.sampling import MAX_TOP_LOGPROBS, SamplingParams, SequenceTokens, TokenLogprobs
+from ninfer_core.sampling.grammar import Constraint, GrammarMatcher
 from ninfer_core.spec.stats import SpecUsage
 from ninfer_core.text import IncrementalDetokenizer, StopChecker, StopUpdate, Tokenizer
 
 if TYPE_CHECKING:
+    import torch
+
     from ninfer_core.engine.engine import Engine
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -54,6 +58,18 @@ class GenerationRequest:
     #: Stop tokens (the model's and `stop_token_ids`) are masked, and stop strings not
     #: looked for, until this many tokens were generated (vLLM's `min_tokens`).
     min_tokens: int = 0
+    #: The answer must match this grammar (a JSON schema, ...): each token is masked to
+    #: what it allows, and the request ends when it is complete (`engine/constraints.py`).
+    constraint: Constraint | None = None
+    #: Completions of the one prompt (OpenAI's `n`): the prompt is prefilled once, then the
+    #: sequence forks into `n` that share its pages (`engine/fanout.py`). Their events carry
+    #: `index` 0..n-1, and the stream ends after `n` finishes.
+    n: int = 1
+    #: An embedding request (`engine/pooling.py`): "mean" or "last" pools the prompt's
+    #: final hidden states into the `FinishEvent`'s `embedding`; nothing is generated.
+    pooling: str | None = None
+    #: L2-normalise the pooled vector (an embedding request only).
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -73,6 +89,13 @@ class GenerationRequest:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.pooling is not None:
+            if self.pooling not in POOLINGS:
+                raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+            if self.n != 1 or self.logprobs is not None:
+                raise ValueError("an embedding request takes neither n nor logprobs")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
@@ -103,6 +126,8 @@ class TokenEvent:
     cached_tokens: int | None = None
     #: With `GenerationRequest.logprobs`: one entry per token id, in order; else None.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    #: Which of the request's `n` completions this token belongs to.
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +139,10 @@ class FinishEvent:
     error: EngineError | None = None
     #: The stop string or stop token id that ended a "stop" finish.
     matched: str | int | None = None
+    #: Which of the request's `n` completions ended.
+    index: int = 0
+    #: An embedding request's vector ([hidden] fp32, CPU; `engine/pooling.py`).
+    embedding: torch.Tensor | None = None
 
 
 GenerationEvent = TokenEvent | FinishEvent
@@ -193,6 +222,17 @@ class RequestState:
         self.stops = StopChecker(stop_token_ids=stop_ids, stop_strings=list(request.stop))
         #: Its speculative rounds (set by an engine that speculates).
         self.spec: SpecUsage | None = None
+        #: Where its answer is in its grammar (with a `constraint`; made on the first token).
+        self.grammar: GrammarMatcher | None = None
+        #: Which of its request's `n` completions this is, and the id its events carry:
+        #: a fork (`engine/fanout.py`) has a request id of its own, for the engine's
+        #: tables, but speaks for the request the client sent.
+        self.index = 0
+        self.event_id = request.request_id
+        #: What an embedding request pools its prompt's hidden states into; None otherwise.
+        self.pooler: Pooler | None = None
+        if request.pooling is not None:
+            self.pooler = Pooler(request.pooling, request.normalize)  # type: ignore[arg-type]
 
     @property
     def request_id(self) -> str:
@@ -204,12 +244,13 @@ class RequestState:
         return len(self.seq.completion_ids) < self.request.min_tokens
 
     def accept(
-        self, token: int, logprobs: TokenLogprobs | None = None
+        self, token: int, logprobs: TokenLogprobs | None = None, last: bool = False
     ) -> tuple[TokenEvent, StopUpdate, bool]:
         """Take a sampled token: (its event, the stop verdict, whether the limit is reached).
-        At the limit the text held back (a partial character, a possible stop string) goes
-        out with this last token. Below `min_tokens` nothing is a stop: the text goes out
-        unchecked, as in vLLM, and the stop-string search starts after it."""
+        At the limit, or when `last` (its grammar allows nothing more), the text held back
+        (a partial character, a possible stop string) goes out with this last token. Below
+        `min_tokens` nothing is a stop: the text goes out unchecked, as in vLLM, and the
+        stop-string search starts after it."""
         below_min = self.below_min_tokens
         self.seq.append_token(token)
         self.history.append(token)
@@ -217,14 +258,15 @@ class RequestState:
         update = StopUpdate(piece) if below_min else self.stops.feed(piece, token)
         text = update.text
         at_limit = len(self.seq.completion_ids) >= self.seq.max_tokens
-        if at_limit and not update.finished:
+        if (at_limit or last) and not update.finished:
             rest = self.detok.finish()
             update = StopUpdate(rest) if below_min else self.stops.feed(rest)
             text += update.text + self.stops.flush()
         first = len(self.seq.completion_ids) == 1
         cached = self.seq.num_cached_tokens if first else None
         lps = None if logprobs is None else (logprobs,)
-        return TokenEvent(self.request_id, text, (token,), cached, lps), update, at_limit
+        event = TokenEvent(self.event_id, text, (token,), cached, lps, self.index)
+        return event, update, at_limit
 
     def usage(self) -> Usage:
         seq = self.seq
@@ -264,17 +306,27 @@ class EventStream:
 
     The step thread calls the stream (`push`) and the event crosses into the event loop with
     `call_soon_threadsafe`, the one asyncio call that is safe from another thread. Iteration
-    ends after the `FinishEvent`; a finish with an error raises that error instead (a queue
-    timeout before any token, or a failed step), so a server can still choose the status.
-    `aclose()` before the end cancels the request (the client went away).
+    ends after the `FinishEvent` (after `n` of them, one per completion, for a request with
+    `n` > 1); a finish with an error raises that error instead (a queue timeout before any
+    token, or a failed step), so a server can still choose the status, and cancels the
+    request's other completions. `aclose()` before the end cancels the request (the client
+    went away).
     """
 
-    def __init__(self, request_id: str, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        engine: Engine,
+        loop: asyncio.AbstractEventLoop,
+        finishes: int = 1,
+    ) -> None:
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self._done = False
+        #: Finish events still to come: one per completion (`GenerationRequest.n`).
+        self._finishes = finishes
 
     def __call__(self, event: GenerationEvent) -> None:
         # RuntimeError: the loop is closed, nobody is listening any more
@@ -289,8 +341,11 @@ class EventStream:
             raise StopAsyncIteration
         event = await self._queue.get()
         if isinstance(event, FinishEvent):
-            self._done = True
+            self._finishes -= 1
+            self._done = self._finishes <= 0 or event.error is not None
             if event.error is not None:
+                if self._finishes > 0:  # one completion failed: the request fails whole
+                    self._engine.cancel(self.request_id)
                 raise event.error
         return event
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.fanout import fork_blocks
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
 from ninfer_core.engine.state_snapshots import StateSnapshots
 from ninfer_core.kv.state import SequenceStatePool
@@ -130,8 +131,21 @@ class Scheduler:
     def queue_length_with_one_more(self) -> int:
         """How many would wait if one more request came now, once free slots take theirs:
         the number `max_pending_requests` bounds."""
-        free_slots = max(0, self.config.max_concurrency - len(self.running))
+        free_slots = max(0, self.config.max_concurrency - self.slots_in_use)
         return max(0, len(self.waiting) + 1 - free_slots)
+
+    @property
+    def slots_in_use(self) -> int:
+        """Concurrency slots the running sequences hold: one each, and a prompt that will
+        fork into `n` (`engine/fanout.py`) holds its forks' already."""
+        return sum(s.fan_out for s in self.running)
+
+    def adopt(self, parent: Sequence, forks: list[Sequence]) -> None:
+        """Run `forks` of `parent` (already running, holding their pages) from now on,
+        in the slots `parent` reserved for them."""
+        at = self.running.index(parent) + 1
+        self.running[at:at] = forks
+        parent.fan_out = 1
 
     def remove_waiting(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
@@ -168,7 +182,7 @@ class Scheduler:
     def estimate_wait(self) -> float:
         """Seconds until a request queued now would start: the work of everything ahead of
         it, with decode steps shared by `max_concurrency` sequences at a time."""
-        if not self.waiting and len(self.running) < self.config.max_concurrency:
+        if not self.waiting and self.slots_in_use < self.config.max_concurrency:
             return 0.0
         costs, ahead = self.costs, [*self.running, *self.waiting]
         prefill = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in ahead)
@@ -189,15 +203,17 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.deadline is not None and now >= s.deadline]:
             self.remove_waiting(seq)
             out.expired.append(seq)
-        while self.waiting and len(self.running) < self.config.max_concurrency:
+        while self.waiting:
+            if self.slots_in_use + self.waiting[0].fan_out > self.config.max_concurrency:
+                break
             if not self._fits(self.waiting[0]):
                 break
             seq = self.waiting.popleft()
             if self.states is None:
-                self.block_manager.admit(seq)
+                self.block_manager.admit(seq, max_blocks=0 if seq.embedding else None)
             else:  # a block hit alone would lack the state: only snapshots resume
                 seq.state_slot = self.states.allocate()
-                if self.snapshots is not None:
+                if self.snapshots is not None and not seq.embedding:
                     self.snapshots.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -208,20 +224,26 @@ class Scheduler:
     def _reserved_blocks(self) -> int:
         """Pages the running sequences may still claim, up to prompt plus `max_tokens`."""
         bm = self.block_manager
-        return sum(max(0, bm.blocks_for(s.max_length) - len(s.block_table)) for s in self.running)
+        return sum(
+            max(0, bm.blocks_for(s.max_length) - len(s.block_table)) + fork_blocks(bm, s)
+            for s in self.running
+        )
 
     def _fits(self, seq: Sequence) -> bool:
-        if self.states is not None and not self.states.num_free:
+        if self.states is not None and self.states.num_free < seq.fan_out:
             return False
         bm = self.block_manager
         hits = idle_hits = 0
-        if self.states is None:
+        if seq.embedding:  # every token runs (`engine/pooling.py`)
+            pass
+        elif self.states is None:
             hits, idle_hits = bm.match_prefix(seq)
         elif self.snapshots is not None and (hit := self.snapshots.match(seq)) is not None:
             hits, idle_hits = hit.blocks, hit.idle
         # Idle hits stop being evictable once taken, so they leave the unclaimed count.
         unclaimed = bm.num_free_blocks - idle_hits - self._reserved_blocks()
-        return bm.blocks_for(seq.max_length) - hits <= unclaimed
+        need = bm.blocks_for(seq.max_length) - hits + fork_blocks(bm, seq)
+        return need <= unclaimed
 
     def _batch(self) -> list[tuple[Sequence, int]]:
         # A decoding sequence runs its pending tokens (one, or the accepted tokens of a

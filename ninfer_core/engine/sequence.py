@@ -69,6 +69,13 @@ class Sequence:
         self.draft_ids: list[int] = []
         #: [len(draft_ids), vocab] draft distribution q of each draft; None: one-hot drafts.
         self.draft_probs = None
+        #: Sequences it becomes once its prompt is done (a request's `n`, `engine/fanout.py`):
+        #: admission reserves their slots and pages; 1 after the fork, and for any other.
+        self.fan_out = 1
+        #: An embedding request (`engine/pooling.py`): prefill only; it never resumes from
+        #: the prefix cache (every token's hidden state is pooled), and the steps it runs
+        #: in keep the final hidden states.
+        self.embedding = False
 
     def __len__(self) -> int:
         """Tokens a forward may run: the accepted ones, then the drafts under verification."""

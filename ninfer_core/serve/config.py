@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from ninfer_core.config import opt
 
@@ -50,6 +51,11 @@ class ServeConfig:
     top_k: int | None = opt(None, "default top-k; 0 is off")
     min_p: float | None = opt(None, "default min-p; 0 is off")
     repetition_penalty: float | None = opt(None, "default repetition penalty; 1 is off")
+    pooling: Literal["last", "mean"] = opt(
+        "last",
+        "how /v1/embeddings pools the decoder's final hidden states: last (the last token's, "
+        "as vLLM and Qwen3-Embedding do) or mean (over the input's tokens)",
+    )
     graceful_shutdown_s: float = opt(
         30.0, "on SIGINT/SIGTERM, seconds requests may finish before each ends with a 503 error"
     )
@@ -71,6 +77,8 @@ class ServeConfig:
             raise ValueError(f"max_request_mib must be positive, got {self.max_request_mib}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be last or mean, got {self.pooling!r}")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections"):

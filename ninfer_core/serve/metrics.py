@@ -124,7 +124,9 @@ class ServeMetrics:
     ) -> AsyncIterator[GenerationEvent]:
         """Pass `events` through, timing tokens; tokens count as they come, so a request
         cancelled half-way still counts what it generated."""
-        start = last = time.monotonic()
+        start = time.monotonic()
+        #: When each choice's last token came (`n` > 1 interleaves several).
+        last: dict[int, float] = {}
         seen_token = False
         reason = "cancelled"  # unless a finish (or an error) says otherwise
         try:
@@ -135,15 +137,18 @@ class ServeMetrics:
                         self.ttft.observe(now - start)
                         self.prompt_tokens.inc(len(request.prompt_ids))
                         seen_token = True
-                    else:  # several tokens in one event (a speculative round) share the gap
-                        gap = (now - last) / len(event.token_ids)
+                    elif event.index in last:  # a speculative round's tokens share the gap
+                        gap = (now - last[event.index]) / len(event.token_ids)
                         for _ in event.token_ids:
                             self.itl.observe(gap)
                     self.generated_tokens.inc(len(event.token_ids))
-                    last = now
+                    last[event.index] = now
                 elif isinstance(event, FinishEvent):
                     reason = event.reason
-                    self.cached_tokens.inc(event.usage.cached_tokens)
+                    if event.index == 0:  # the prompt of `n` choices counts once
+                        self.cached_tokens.inc(event.usage.cached_tokens)
+                    if event.embedding is not None:  # an embedding: a prompt, no tokens
+                        self.prompt_tokens.inc(len(request.prompt_ids))
                 yield event
         except Exception:
             reason = "error"

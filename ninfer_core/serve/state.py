@@ -34,6 +34,9 @@ class ServeOptions:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    #: How `/v1/embeddings` pools the final hidden states: "last" or "mean"
+    #: (`engine/pooling.py`).
+    pooling: str = "last"
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ninfer_core.text.reasoning import THINK_CLOSE, THINK_OPEN
-from ninfer_core.text.tool_calls import TOOL_OPEN
+from ninfer_core.text.tool_calls import TOOL_CLOSE, TOOL_OPEN
 
 if TYPE_CHECKING:
     from ninfer_core.text.chat_template import ChatTemplate
@@ -88,3 +88,52 @@ def with_opening(tokenizer: Tokenizer, prompt_ids: list[int], opening: str) -> l
     if ends_in_thinking(tokenizer.decode(prompt_ids[-32:])):
         opening = f"{THINK_CLOSE}\n\n{opening}"
     return [*prompt_ids, *tokenizer.encode(opening, add_special_tokens=False)]
+
+
+def _tag(tokenizer: Tokenizer, tag: str) -> str:
+    """`tag` in a Lark grammar: by its token id when it is one token (an added token, which
+    a literal would never match), else written out."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(tag)
+
+
+def call_grammar(
+    template: ChatTemplate | None,
+    forced: ForcedCall | None,
+    tools: Sequence[dict] | None,
+    tokenizer: Tokenizer,
+) -> str | None:
+    """A Lark grammar for what follows `call_opening`: the rest of one call in the JSON
+    form, to one of `tools` (`forced.name` when named) with arguments that match its
+    parameter schema, then `</tool_call>`. None when nothing is forced or the template
+    writes calls in the XML form (those stay forced by the prefill alone).
+
+    A template that teaches no call form (no `<tool_call>` in it, so nothing is prefilled)
+    gets the whole call, opening included, in the JSON form the output parser reads: the
+    model is made to call, where the prefill alone could only ask it to."""
+    form = call_format(template)
+    if forced is None or form == "xml" or not tools:
+        return None
+    schemas = {}
+    for tool in tools:
+        fn = tool.get("function", tool)
+        schemas[fn.get("name")] = fn.get("parameters") or fn.get("input_schema") or {}
+    close = f'"\\n" {_tag(tokenizer, TOOL_CLOSE)}'
+    if form == "json" and forced.name is not None:  # the opening ends with `"arguments":`
+        params = schemas.get(forced.name) or {"type": "object"}
+        return f'start: " " args "}}" {close}\nargs: %json {json.dumps(params)}\n'
+    names = [forced.name] if forced.name is not None else list(schemas)
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": name},
+                "arguments": schemas.get(name) or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name in names
+    ]
+    opening = "" if form == "json" else f'{_tag(tokenizer, TOOL_OPEN)} "\\n" '
+    return f"start: {opening}call {close}\ncall: %json {json.dumps({'anyOf': calls})}\n"

@@ -25,6 +25,8 @@ from litestar.params import JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from ninfer_core.engine.request import FinishEvent, GenerationRequest, TokenEvent, Usage
+from ninfer_core.sampling.grammar import Constraint, GrammarError
+from ninfer_core.serve import constraints as serve_constraints
 from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
@@ -86,26 +88,38 @@ def stop_sequences(given: list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def refuse_structured_output(data: MessagesRequest) -> None:
-    """Structured output needs constrained decoding, which this server does not have: a
-    schema is refused rather than silently ignored (as OpenAI's `response_format` is)."""
-    for param, given in (
-        ("output_config.format", data.output_config and data.output_config.format),
-        ("output_format", data.output_format),
-    ):
-        if given is not None:
-            raise invalid(
-                f"{param}: structured output is not supported by this server "
-                "(decoding is not constrained here)",
-                param=param,
-            )
+def structured_output(data: MessagesRequest) -> tuple[Constraint | None, str]:
+    """Structured output: `output_config.format` (or the beta's `output_format`),
+    `{"type": "json_schema", "schema": {...}}`, as the constraint the answer must match
+    and the field it came from; anything else there is a 400 naming it."""
+    asked = [
+        (param, given)
+        for param, given in (
+            ("output_config.format", data.output_config and data.output_config.format),
+            ("output_format", data.output_format),
+        )
+        if given is not None
+    ]
+    if not asked:
+        return None, ""
+    if len(asked) > 1:
+        raise invalid(
+            "output_format: cannot be combined with output_config.format", "output_format"
+        )
+    param, given = asked[0]
+    if given.get("type") != "json_schema" or not isinstance(given.get("schema"), dict):
+        raise invalid(f'{param}: must be {{"type": "json_schema", "schema": {{...}}}}', param)
+    try:
+        return Constraint.json_schema(given["schema"]), param
+    except GrammarError as exc:
+        raise invalid(f"{param}: {exc}", param) from None
 
 
 async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) -> Plan:
     """Everything a request can be refused for, checked before the engine sees it; `scope`
     (the request's ASGI scope) carries the key that salts its prefix-cache blocks."""
     ctx.check_model(data.model)
-    refuse_structured_output(data)
+    output, output_param = structured_output(data)
     salt = cache_salt(scope, data.cache_salt)
     state = ctx.state
     stops = stop_sequences(data.stop_sequences)
@@ -118,12 +132,17 @@ async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) ->
     budget = data.max_tokens
     if budget <= state.max_context:
         budget = min(budget, max(1, state.max_context - len(ids)))
+    # A forced call is constrained to an offered tool and its schema; else the format.
+    constraint = await serve_constraints.forced_call(state, prompt.forced, prompt.tools)
+    if constraint is None:
+        constraint = await serve_constraints.checked(state, output, output_param)
     request = GenerationRequest(
         ids,
         state.sampling(temperature=data.temperature, top_p=data.top_p, top_k=data.top_k),
         max_tokens=state.max_tokens(budget, len(ids)),
         stop=stops,
         cache_salt=salt,
+        constraint=constraint,
     )
     thinking_open = convert.opens_thinking(state, ids)
     clamped = budget < data.max_tokens

@@ -20,20 +20,21 @@ if TYPE_CHECKING:
 
 class OpenAIFrontend:
     name = "openai"
-    description = "OpenAI API: /v1/chat/completions, /v1/completions, /v1/models"
+    description = "OpenAI API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models"
     #: Every /v1 path not claimed by a more specific frontend answers errors in OpenAI's shape,
     #: and so do the same routes without `/v1` (clients configured with a bare base URL).
-    error_paths = ("/v1", "/chat/completions", "/completions", "/models")
+    error_paths = ("/v1", "/chat/completions", "/completions", "/embeddings", "/models")
 
     def supports(self, device: DeviceInfo) -> Support:
         return Support.yes()
 
     def route_handlers(self, state: ServeState) -> list[Any]:
-        from ninfer_plugins.frontend_openai import chat, completions, models
+        from ninfer_plugins.frontend_openai import chat, completions, embeddings, models
 
         return [
             *chat.route_handlers(state),
             *completions.route_handlers(state),
+            *embeddings.route_handlers(state),
             *models.route_handlers(state),
         ]
 

@@ -25,6 +25,7 @@ from litestar.params import JSONBody
 from msgspec import UNSET, UnsetType
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent
+from ninfer_core.serve import constraints as serve_constraints
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text.tool_calls import ToolCall
@@ -39,11 +40,12 @@ from ninfer_plugins.frontend_openai.common import (
     logprobs_asked,
     new_id,
     now,
-    refuse,
     refuse_unsupported,
     sse,
     usage,
 )
+from ninfer_plugins.frontend_openai.constraints import request_constraint
+from ninfer_plugins.frontend_openai.conversation import forced_call
 from ninfer_plugins.frontend_openai.logprobs import TokenTexts, chat_content, token_texts
 from ninfer_plugins.frontend_openai.output import ChatOutput, Piece
 from ninfer_plugins.frontend_openai.prompt import chat_prompt
@@ -79,15 +81,24 @@ def route_handlers(state: ServeState) -> list:
         model = check_model(state, data.model)
         refuse_unsupported(data)
         top = logprobs_asked(data.logprobs, data.top_logprobs)
-        if data.response_format is not None and data.response_format.type != "text":
-            raise refuse("response_format", "only 'text' (decoding is not constrained here)")
         prompt = await chat_prompt(state, data)
+        forced = await serve_constraints.forced_call(state, forced_call(data), prompt.tools)
+        constraint = await request_constraint(state, data, data.response_format, forced)
         budget = (
             data.max_completion_tokens
             if data.max_completion_tokens is not None
             else (data.max_tokens)
         )
-        gen = generation_request(state, data, prompt.ids, budget, scope=request.scope, logprobs=top)
+        gen = generation_request(
+            state,
+            data,
+            prompt.ids,
+            budget,
+            scope=request.scope,
+            logprobs=top,
+            n=data.n or 1,
+            constraint=constraint,
+        )
         output = prompt.output
         events = state.generate(gen)
         rid, created = new_id("chatcmpl"), now()
@@ -95,6 +106,11 @@ def route_handlers(state: ServeState) -> list:
             token_texts(state.tokenizer) if top is not None else None,
             prompt.ids if data.return_token_ids else None,
         )
+        if gen.n > 1:  # n choices of the one prompt: choices.py
+            from ninfer_plugins.frontend_openai import choices
+
+            ids = (rid, created, model)
+            return await choices.chat_reply(request, data, events, gen.n, output, ids, tokens)
         if data.stream:
             first = await first_event(request, events)
             extras = StreamExtras.asked(data)

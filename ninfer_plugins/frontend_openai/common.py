@@ -22,6 +22,7 @@ from ninfer_core.engine.request import (
 )
 from ninfer_core.engine.request import Usage as EngineUsage
 from ninfer_core.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
+from ninfer_core.sampling.grammar import Constraint
 from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
@@ -34,6 +35,9 @@ from ninfer_plugins.frontend_openai.errors import error_body
 #: near these (OpenAI's own API takes 4); the Anthropic frontend applies the same caps.
 MAX_STOPS = 64
 MAX_STOP_CHARS = 256
+#: The most choices a request may ask for (`n`) before the server's own limit, its
+#: `--max-concurrency` (the `n` completions decode at once), is checked.
+MAX_CHOICES = 128
 SAMPLING = (
     "temperature",
     "top_p",
@@ -75,8 +79,8 @@ def refuse(param: str, why: str) -> ApiError:
 
 def refuse_unsupported(data: wire.SamplingFields) -> None:
     """Options this server cannot honour are refused rather than quietly ignored."""
-    if data.n not in (None, 1):
-        raise refuse("n", "only one choice per request is supported (n=1)")
+    if data.n is not None and not 1 <= data.n <= MAX_CHOICES:
+        raise refuse("n", f"must be in 1..{MAX_CHOICES}, got {data.n}")
     if data.logit_bias:
         raise refuse("logit_bias", "not supported by this server")
     stop_strings(data.stop)  # checked before the prompt is rendered: 100k stops cost nothing
@@ -105,13 +109,19 @@ def generation_request(
     scope: Mapping[str, Any],
     prompt_param: str = "messages",
     logprobs: int | None = None,
+    constraint: Constraint | None = None,
+    n: int = 1,
 ) -> GenerationRequest:
     """The engine request: sampling over the server's defaults, the budget within the
     context, stops, the prefix-cache salt (from the request's ASGI `scope` and its
     `cache_salt`), `min_tokens`, and `logprobs` (alternatives per token, None: none);
     every invalid value a 400 naming its field (`prompt_param`: the field that carried
-    the prompt)."""
+    the prompt). `n` > 1 asks for that many choices of the one prompt (`engine/fanout.py`),
+    at most what the server decodes at once."""
     stops = stop_strings(data.stop)
+    limit = state.engine.config.max_concurrency
+    if n > limit:
+        raise refuse("n", f"{n} choices is more than this server decodes at once ({limit})")
     params = state.sampling(**{name: getattr(data, name) for name in SAMPLING})
     budget = state.max_tokens(max_tokens, len(prompt_ids), prompt_param=prompt_param)
     least = min_tokens(data.min_tokens, budget)
@@ -124,6 +134,8 @@ def generation_request(
         cache_salt=cache_salt(scope, data.cache_salt),
         logprobs=logprobs,
         min_tokens=least,
+        constraint=constraint,
+        n=n,
     )
 
 

@@ -39,6 +39,7 @@ from ninfer_plugins.frontend_openai.common import (
     sse,
     usage,
 )
+from ninfer_plugins.frontend_openai.constraints import request_constraint
 from ninfer_plugins.frontend_openai.logprobs import CompletionLogprobs, token_texts
 
 #: The most alternatives per token the legacy completions API takes (OpenAI's limit).
@@ -99,8 +100,11 @@ def route_handlers(state: ServeState) -> list:
                 )
         if data.best_of not in (None, 1):
             raise refuse("best_of", "only best_of=1 is supported")
+        if data.best_of is not None and (data.n or 1) > 1:
+            raise refuse("best_of", "n > 1 returns every choice; best_of is not taken with it")
         # Tokenizing a long text takes a while: off the event loop.
         ids, text = await asyncio.to_thread(prompt_ids, state, data.prompt)
+        constraint = await request_constraint(state, data, data.response_format)
         gen = generation_request(
             state,
             data,
@@ -109,6 +113,8 @@ def route_handlers(state: ServeState) -> list:
             scope=request.scope,
             prompt_param="prompt",
             logprobs=data.logprobs,
+            n=data.n or 1,
+            constraint=constraint,
         )
         echo = (text if text is not None else state.tokenizer.decode(ids)) if data.echo else ""
         events = state.generate(gen)
@@ -117,6 +123,11 @@ def route_handlers(state: ServeState) -> list:
             None if data.logprobs is None else CompletionLogprobs(token_texts(state.tokenizer)),
             ids if data.return_token_ids else None,
         )
+        if gen.n > 1:  # n choices of the one prompt: choices.py
+            from ninfer_plugins.frontend_openai import choices
+
+            who = (rid, created, model)
+            return await choices.completion_reply(request, data, events, gen.n, echo, who, extras)
         if data.stream:
             first = await first_event(request, events)
             asked = StreamExtras.asked(data)

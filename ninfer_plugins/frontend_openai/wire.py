@@ -76,8 +76,22 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
-class ResponseFormat(Struct):
+class JsonSchemaFormat(Struct, kw_only=True):
+    """`response_format.json_schema`: the schema the answer must match."""
+
+    name: str | None = None
+    description: str | None = None
+    #: `schema` on the wire; `schema_` here, not to shadow anything a Struct may define.
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    #: "text", "json_object" or "json_schema".
     type: str
+    json_schema: JsonSchemaFormat | None = None
+    #: llama.cpp's spelling: `{"type": "json_object", "schema": {...}}`.
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -109,6 +123,10 @@ class SamplingFields(Struct, kw_only=True):
     min_tokens: int | None = None
     #: vLLM's: the prompt's token ids and each choice's generated ids with the answer.
     return_token_ids: bool = False
+    #: llama.cpp's: the answer is JSON matching this schema.
+    json_schema: dict[str, Any] | None = None
+    #: llama.cpp's: the answer matches this GBNF grammar.
+    grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -131,6 +149,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     #: Text, token ids, or a list of one of either (msgspec takes one array-like per union).
     prompt: str | list[str | int | list[int]]
+    #: As chat's (vLLM takes it on completions too): JSON, or JSON matching a schema.
+    response_format: ResponseFormat | None = None
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None

@@ -45,8 +45,8 @@ def check_request(data: wire.ResponsesRequest) -> None:
     if data.include and LOGPROBS_INCLUDE in data.include:
         raise refuse("include", f"{LOGPROBS_INCLUDE} is not supported here; use chat completions")
     fmt = data.text.format if data.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise refuse("text.format", "only 'text' (decoding is not constrained here)")
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+        raise refuse("text.format", "type must be text, json_object or json_schema")
     if data.max_output_tokens is not None and data.max_output_tokens < 1:
         raise refuse("max_output_tokens", f"must be at least 1, got {data.max_output_tokens}")
     check_metadata(data.metadata)
@@ -245,11 +245,25 @@ def chat_request(
         ignore_eos=data.ignore_eos,
         cache_salt=data.cache_salt,
         chat_template_kwargs=template_kwargs(data),
+        response_format=response_format(data),
     )
 
 
+def response_format(data: wire.ResponsesRequest) -> chat.ResponseFormat | None:
+    """`text.format` as chat's `response_format` (structured output)."""
+    fmt = data.text.format if data.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = chat.JsonSchemaFormat(name=fmt.name, schema_=fmt.schema_, strict=fmt.strict)
+    return chat.ResponseFormat(type=fmt.type, json_schema=schema)
+
+
 #: Chat's field names in the errors of the pieces shared with it, and this API's names.
-RENAMED = {"messages": "input", "max_tokens": "max_output_tokens"}
+RENAMED = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
 
 
 def renamed(exc: ApiError) -> ApiError:

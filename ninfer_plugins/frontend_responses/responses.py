@@ -24,6 +24,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from ninfer_core.engine.request import FinishEvent, GenerationEvent
+from ninfer_core.serve import constraints as serve_constraints
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
@@ -34,6 +35,8 @@ from ninfer_plugins.frontend_openai.common import (
     generation_request,
     now,
 )
+from ninfer_plugins.frontend_openai.constraints import request_constraint
+from ninfer_plugins.frontend_openai.conversation import forced_call
 from ninfer_plugins.frontend_openai.errors import error_body
 from ninfer_plugins.frontend_openai.output import ChatOutput
 from ninfer_plugins.frontend_openai.prompt import chat_prompt
@@ -118,8 +121,15 @@ def route_handlers(state: ServeState, store: ResponseStore) -> list:
         chat = convert.chat_request(data, messages)
         try:
             prompt = await chat_prompt(state, chat)
+            forced = await serve_constraints.forced_call(state, forced_call(chat), prompt.tools)
+            constraint = await request_constraint(state, chat, chat.response_format, forced)
             gen = generation_request(
-                state, chat, prompt.ids, data.max_output_tokens, scope=request.scope
+                state,
+                chat,
+                prompt.ids,
+                data.max_output_tokens,
+                scope=request.scope,
+                constraint=constraint,
             )
         except ApiError as exc:
             raise convert.renamed(exc) from None
@@ -178,6 +188,11 @@ def skeleton(
         tools=msgspec.to_builtins(data.tools or []),
         truncation=data.truncation or "disabled",
         user=data.user,
+        text=wire.TextOut(
+            msgspec.to_builtins(data.text.format)
+            if data.text is not None and data.text.format is not None
+            else {"type": "text"}
+        ),
     )
 
 

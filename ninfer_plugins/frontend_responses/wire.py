@@ -63,7 +63,12 @@ class ReasoningConfig(Struct, kw_only=True):
 
 
 class TextFormat(Struct, kw_only=True):
+    #: "text", "json_object" or "json_schema" (with `name`, `schema`, `strict`).
     type: str = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = field(default=None, name="schema")
+    strict: bool | None = None
 
 
 class TextConfig(Struct, kw_only=True):
