@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from checkpoints import write_tiny_qwen3
@@ -27,6 +29,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "retrain" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_log_handlers():
+    """A CLI run in-process (`main([...])`) calls `logging.basicConfig`, which gives the
+    root logger a handler on the stderr pytest captured for that test; a thread logging
+    after the test would then write to a closed stream. Handlers a test added go with it."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
 
 
 @pytest.fixture(scope="module")
