@@ -116,7 +116,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def _tokenizer_json() -> str:
+def byte_tokenizer_json() -> str:
+    """The built-in model's tokenizer as `tokenizer.json`: byte-level BPE without merges (one
+    token a byte) plus `SPECIAL_TOKENS`, so it needs no training and fits any random model
+    with a vocabulary of `256 + len(SPECIAL_TOKENS)` (the benchmarks' models use it too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
@@ -210,7 +213,7 @@ def ensure_random_model(path: Path | None = None) -> Path:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
-    (tmp / "tokenizer.json").write_text(_tokenizer_json())
+    (tmp / "tokenizer.json").write_text(byte_tokenizer_json())
     (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
     (tmp / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [256 + 2, 256 + 0], "do_sample": False})

@@ -105,42 +105,60 @@ ASK_TOOL = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 400
 
 
-def chat_json(client: openai.OpenAI, schema: dict, *, stream: bool, temperature: float, seed=0):
-    """(the answer's text, its finish reason) for a chat request under `schema`."""
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    kwargs = dict(
-        model=MODEL_ID,
-        messages=ASK,
-        max_tokens=MAX_TOKENS,
-        temperature=temperature,
-        seed=seed,
-        response_format=fmt,
-    )
+def chat_answer(client: openai.OpenAI, *, stream: bool, **kwargs) -> tuple[str | None, list, str]:
+    """(the answer's text, its tool calls as (name, arguments), its finish reason) for a
+    chat request of `kwargs` (the served model and `MAX_TOKENS` unless they say otherwise),
+    whole or streamed: a stream's deltas are joined, so both read the same."""
+    kwargs = {"model": MODEL_ID, "max_tokens": MAX_TOKENS, **kwargs}
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
-        return choice.message.content, choice.finish_reason
-    text, reason = [], None
+        calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    text, streamed, reason = [], {}, None
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             reason = choice.finish_reason or reason
-    return "".join(text), reason
+            for call in choice.delta.tool_calls or []:
+                streamed[call.index] = (call.function.name, call.function.arguments)
+    return "".join(text), list(streamed.values()), reason
+
+
+def chat_json(client: openai.OpenAI, schema: dict, *, stream: bool, temperature: float, seed=0):
+    """(the answer's text, its finish reason) for a chat request under `schema`."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    text, _, reason = chat_answer(
+        client, stream=stream, messages=ASK, temperature=temperature, seed=seed, response_format=fmt
+    )
+    return text, reason
+
+
+def claude_message(client: anthropic.Anthropic, *, stream: bool, **kwargs):
+    """The message answering a request of `kwargs` (the served model and `MAX_TOKENS` unless
+    they say otherwise), whole or the stream's final one."""
+    kwargs = {"model": MODEL_ID, "max_tokens": MAX_TOKENS, **kwargs}
+    if stream:
+        with client.messages.stream(**kwargs) as events:
+            return events.get_final_message()
+    return client.messages.create(**kwargs)
 
 
 def claude_json(client: anthropic.Anthropic, schema: dict, *, stream: bool, temperature: float):
     """(the answer's text, its stop reason) for a message under `schema`."""
-    kwargs = dict(
-        model=MODEL_ID,
+    message = claude_message(
+        client,
+        stream=stream,
         messages=ASK,
-        max_tokens=MAX_TOKENS,
         extra_body={
             "temperature": temperature,
             "output_config": {"format": {"type": "json_schema", "schema": schema}},
         },
     )
-    if stream:
-        with client.messages.stream(**kwargs) as events:
-            message = events.get_final_message()
-    else:
-        message = client.messages.create(**kwargs)
     return "".join(b.text for b in message.content if b.type == "text"), message.stop_reason
+
+
+def completion_text(client: openai.OpenAI, prompt: str, **kwargs) -> str:
+    """The text of a `/v1/completions` answer to `prompt` (the served model and `MAX_TOKENS`
+    unless `kwargs` say otherwise)."""
+    kwargs = {"model": MODEL_ID, "max_tokens": MAX_TOKENS, **kwargs}
+    return client.completions.create(prompt=prompt, **kwargs).choices[0].text

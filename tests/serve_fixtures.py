@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import torch
 from checkpoints import write_tiny_qwen3
 from text_fixtures import QWEN3_STYLE_TEMPLATE, reference_tokenizer, write_model_dir
@@ -93,6 +94,12 @@ def serving(
             yield srv
     finally:
         state.engine.close()
+
+
+def openai_sdk(server: ServerThread) -> openai.OpenAI:
+    """The official `openai` SDK as a client of `server`, without retries (a failure is the
+    server's answer, not a retry's); a context manager that closes its connections."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 20.0) -> None:

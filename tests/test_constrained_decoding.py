@@ -24,10 +24,13 @@ from constrained_fixtures import (
     OAI_TOOLS,
     SCHEMAS,
     TOOLS,
+    chat_answer,
     chat_json,
     claude_json,
+    claude_message,
+    completion_text,
 )
-from serve_fixtures import MODEL_ID, frontends_host, make_state, serving
+from serve_fixtures import MODEL_ID, frontends_host, make_state, openai_sdk, serving
 
 import ninfer_plugins.frontend_responses as frontend_responses
 from ninfer_core.builtin_model import BUILTIN_ARTIFACT
@@ -53,10 +56,6 @@ def spec_server():
         yield srv
 
 
-def oai_client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-
-
 def claude_client(srv) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
 
@@ -65,7 +64,7 @@ def claude_client(srv) -> anthropic.Anthropic:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_openai_json_schema_answers_validate(server, name, stream, temperature):
-    with oai_client(server) as client:
+    with openai_sdk(server) as client:
         for seed in range(2 if temperature else 1):
             text, reason = chat_json(
                 client, SCHEMAS[name], stream=stream, temperature=temperature, seed=seed
@@ -88,7 +87,7 @@ def test_json_object_mode_gives_an_object(server):
     """Any object: nothing bounds its strings, so a small model may fill its budget inside
     one; an answer that ends by itself is always an object."""
     ended = 0
-    with oai_client(server) as client:
+    with openai_sdk(server) as client:
         for seed in range(8):
             choice = client.chat.completions.create(
                 model=MODEL_ID,
@@ -107,32 +106,26 @@ def test_json_object_mode_gives_an_object(server):
 
 def test_completions_take_llama_cpp_json_schema_and_gbnf(server):
     schema = SCHEMAS["numbers with bounds"]
-    with oai_client(server) as client:
-        done = client.completions.create(
-            model=MODEL_ID,
-            prompt="A record:",
-            max_tokens=MAX_TOKENS,
-            extra_body={"json_schema": schema},
-        )
-        jsonschema.validate(json.loads(done.choices[0].text), schema)
+    with openai_sdk(server) as client:
+        text = completion_text(client, "A record:", extra_body={"json_schema": schema})
+        jsonschema.validate(json.loads(text), schema)
         gbnf = 'root ::= "yes" | "no" | "maybe " [0-9]'
         for seed in range(4):
-            done = client.completions.create(
-                model=MODEL_ID,
-                prompt="Answer:",
+            text = completion_text(
+                client,
+                "Answer:",
                 max_tokens=16,
                 temperature=1.0,
                 seed=seed,
                 extra_body={"grammar": gbnf},
             )
-            text = done.choices[0].text
             assert text in ("yes", "no") or (text[:6] == "maybe " and text[6:].isdigit()), text
 
 
 def test_responses_text_format_validates(server):
     schema = SCHEMAS["nested objects"]
     fmt = {"type": "json_schema", "name": "person", "schema": schema, "strict": True}
-    with oai_client(server) as client:
+    with openai_sdk(server) as client:
         answer = client.responses.create(
             model=MODEL_ID,
             input="Describe a user.",
@@ -151,31 +144,17 @@ def test_openai_forced_tool_calls_parse_and_match(server, stream, choice):
         if choice == "required"
         else {"type": "function", "function": {"name": "get_time"}}
     )
-    with oai_client(server) as client:
+    with openai_sdk(server) as client:
         for seed in range(3):
-            kwargs = dict(
-                model=MODEL_ID,
+            _, calls, reason = chat_answer(
+                client,
+                stream=stream,
                 messages=ASK_TOOL,
                 tools=OAI_TOOLS,
                 tool_choice=tool_choice,
-                max_tokens=MAX_TOKENS,
                 temperature=1.0,
                 seed=seed,
             )
-            if stream:
-                calls, reason = {}, None
-                for chunk in client.chat.completions.create(**kwargs, stream=True):
-                    for c in chunk.choices:
-                        reason = c.finish_reason or reason
-                        for call in c.delta.tool_calls or []:
-                            calls[call.index] = (call.function.name, call.function.arguments)
-                calls = list(calls.values())
-            else:
-                c = client.chat.completions.create(**kwargs).choices[0]
-                reason = c.finish_reason
-                calls = [
-                    (t.function.name, t.function.arguments) for t in c.message.tool_calls or []
-                ]
             assert reason == "tool_calls" and len(calls) == 1, calls
             name, arguments = calls[0]
             assert name in TOOLS and (choice == "required" or name == "get_time")
@@ -187,19 +166,14 @@ def test_openai_forced_tool_calls_parse_and_match(server, stream, choice):
 def test_anthropic_forced_tool_use_parses_and_matches(server, stream, choice):
     with claude_client(server) as client:
         for _ in range(3):
-            kwargs = dict(
-                model=MODEL_ID,
+            message = claude_message(
+                client,
+                stream=stream,
                 messages=ASK_TOOL,
                 tools=CLAUDE_TOOLS,
                 tool_choice=choice,
-                max_tokens=MAX_TOKENS,
                 extra_body={"temperature": 1.0},
             )
-            if stream:
-                with client.messages.stream(**kwargs) as events:
-                    message = events.get_final_message()
-            else:
-                message = client.messages.create(**kwargs)
             uses = [b for b in message.content if b.type == "tool_use"]
             assert message.stop_reason == "tool_use" and len(uses) == 1, message.content
             assert uses[0].name in TOOLS and choice.get("name", uses[0].name) == uses[0].name
@@ -207,7 +181,7 @@ def test_anthropic_forced_tool_use_parses_and_matches(server, stream, choice):
 
 
 def test_speculative_decoding_keeps_greedy_answers_and_validates(server, spec_server):
-    with oai_client(server) as plain, oai_client(spec_server) as spec:
+    with openai_sdk(server) as plain, openai_sdk(spec_server) as spec:
         for schema in SCHEMAS.values():
             want, _ = chat_json(plain, schema, stream=False, temperature=0.0)
             got, _ = chat_json(spec, schema, stream=False, temperature=0.0)
@@ -219,7 +193,7 @@ def test_speculative_decoding_keeps_greedy_answers_and_validates(server, spec_se
 
 def test_a_schema_that_cannot_be_used_is_a_400(server):
     bad = {"type": "object", "properties": {"a": {"type": "strng"}}}
-    with oai_client(server) as client:
+    with openai_sdk(server) as client:
         fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}
         for extra in (
             {"response_format": fmt},
@@ -316,11 +290,6 @@ def test_a_rounds_rows_are_masked_after_its_drafts_and_rolled_back(server):
 def test_completions_take_response_format(server):
     schema = SCHEMAS["optional fields"]
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    with oai_client(server) as client:
-        done = client.completions.create(
-            model=MODEL_ID,
-            prompt="A task:",
-            max_tokens=MAX_TOKENS,
-            extra_body={"response_format": fmt},
-        )
-    jsonschema.validate(json.loads(done.choices[0].text), schema)
+    with openai_sdk(server) as client:
+        text = completion_text(client, "A task:", extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(text), schema)

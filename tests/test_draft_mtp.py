@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from spec_helpers import cpu_target
 
 from ninfer_core import conformance
 from ninfer_core.builtin_model import BUILTIN_ARTIFACT, ensure_random_model
@@ -27,7 +28,7 @@ from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.plugin_host import create_host
 from ninfer_core.plugin_types import Drafter, DraftStrategy
 from ninfer_core.quant.tensor import QuantizedTensor
-from ninfer_core.spec.types import DraftInput, DraftOptions, DraftTarget
+from ninfer_core.spec.types import DraftInput, DraftOptions
 from ninfer_core.text import Tokenizer
 from ninfer_plugins import draft_mtp
 from ninfer_plugins.draft_mtp import MTPDrafter, MTPStrategy
@@ -61,15 +62,7 @@ class Target:
         self.loaded, self.model = loaded, loaded.model
         spec = RuntimeSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_dtype="fp32")
         self.store = build_runtime(loaded, host, probe_device(use_cuda=False), spec).kv_store
-        self.target = DraftTarget(
-            artifact=loaded.artifact,
-            config=loaded.config,
-            model=loaded.model,
-            kv_codec=host.kv_codecs.get("fp32"),
-            block_size=BLOCK,
-            num_blocks=NUM_BLOCKS,
-            device=torch.device("cpu"),
-        )
+        self.target = cpu_target(loaded, host, block_size=BLOCK, num_blocks=NUM_BLOCKS)
         self.options = options
 
     def drafter(self) -> MTPDrafter:

@@ -26,6 +26,7 @@ import torch
 from engine_helpers import prompt
 from hybrid_helpers import engine, greedy_request, load_fp32
 from safetensors.torch import load_file, save_file
+from spec_helpers import cpu_target
 from test_hybrid_family import write_tiny_qwen3_next
 from test_spec_memory import held_bytes
 
@@ -173,15 +174,7 @@ def reference_logits(reference, mtp: ReferenceMTP, ids: list[int], fed=()) -> to
 
 
 def target(loaded: LoadedModel, host) -> DraftTarget:
-    return DraftTarget(
-        artifact=loaded.artifact,
-        config=loaded.config,
-        model=loaded.model,
-        kv_codec=host.kv_codecs.get("fp32"),
-        block_size=BLOCK,
-        num_blocks=PAGES,
-        device=torch.device("cpu"),
-    )
+    return cpu_target(loaded, host, block_size=BLOCK, num_blocks=PAGES)
 
 
 def draft_input(ids: list[int], hidden: torch.Tensor, max_drafts: int = 0) -> DraftInput:

@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from serve_fixtures import MODEL_ID, make_state, serving, wait_for, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, openai_sdk, serving, wait_for, write_serve_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+    with openai_sdk(server) as client:
         yield client
 
 
@@ -134,6 +134,6 @@ def test_cancelling_a_streamed_n_request_frees_everything(server):
     engine.check_invariants()
     assert engine.block_manager.num_used_blocks == 0
     # And the server goes on serving.
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+    with openai_sdk(server) as client:
         answer = client.chat.completions.create(model=MODEL_ID, messages=ASK, n=2, max_tokens=3)
     assert len(answer.choices) == 2

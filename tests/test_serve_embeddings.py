@@ -11,11 +11,10 @@ import base64
 import struct
 
 import httpx
-import openai
 import pytest
 import torch
 from checkpoints import load_reference
-from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, openai_sdk, serving, write_serve_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,7 +41,7 @@ def server(model_dir):
 
 @pytest.fixture
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+    with openai_sdk(server) as client:
         yield client
 
 

@@ -10,11 +10,10 @@ tokens generated before, within 1e-4.
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 from checkpoints import load_reference
-from serve_fixtures import MODEL_ID, make_state, serving, write_serve_model
+from serve_fixtures import MODEL_ID, make_state, openai_sdk, serving, write_serve_model
 
 from ninfer_core.spec.config import SpecConfig
 
@@ -46,13 +45,9 @@ def spec_server(model_dir):
         yield srv
 
 
-def sdk(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
 @pytest.fixture
 def client(server):
-    with sdk(server) as client:
+    with openai_sdk(server) as client:
         yield client
 
 
@@ -131,8 +126,9 @@ def test_streamed_chat_logprobs_equal_the_whole_answer(client):
 def test_without_logprobs_a_choice_has_none(client):
     r = client.chat.completions.create(model=MODEL_ID, messages=ask("hi"), max_tokens=4)
     assert r.choices[0].logprobs is None
-    assert "token_ids" not in (r.choices[0].model_extra or {})
-    assert "prompt_token_ids" not in (r.model_extra or {})
+    # Present and null, as vLLM sends them: `r.choices[0].token_ids` reads None.
+    assert r.choices[0].model_extra["token_ids"] is None
+    assert r.model_extra["prompt_token_ids"] is None
 
 
 def test_top_logprobs_zero_gives_the_sampled_token_alone(client):
@@ -143,7 +139,7 @@ def test_top_logprobs_zero_gives_the_sampled_token_alone(client):
 def test_speculative_decoding_reports_the_same_logprobs(client, spec_server, reference):
     kwargs = dict(messages=ask(REPEATING), max_tokens=24)
     plain = chat(client, **kwargs)
-    with sdk(spec_server) as spec_client:
+    with openai_sdk(spec_server) as spec_client:
         spec = chat(spec_client, **kwargs, extra_body={"return_spec_stats": True})
     assert spec.usage.model_extra["spec_stats"]["accepted_tokens"] > 0
     assert ids_of(spec) == ids_of(plain)
@@ -217,7 +213,7 @@ def eager_server(model_dir):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_min_tokens_holds_off_the_end_of_turn(eager_server, stream):
-    with sdk(eager_server) as client:
+    with openai_sdk(eager_server) as client:
         kwargs = dict(model=MODEL_ID, messages=ask("hi"), max_tokens=20, temperature=0)
         early = client.chat.completions.create(**kwargs)
         assert early.usage.completion_tokens == 1 and early.choices[0].finish_reason == "stop"

@@ -308,8 +308,8 @@ def test_the_store_bounds_its_characters_too():
         (dict(input="Hi", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"}),
          "tool_choice"),
         (dict(input="Hi", metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
-        (dict(input="Hi", top_logprobs=3), "top_logprobs"),
-        (dict(input="Hi", include=["message.output_text.logprobs"]), "include"),
+        (dict(input="Hi", top_logprobs=21), "top_logprobs"),
+        (dict(input="Hi", top_logprobs=-1), "top_logprobs"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400s_in_openais_shape(client, kwargs, param):

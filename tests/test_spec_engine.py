@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spec_helpers import ScriptedDrafter, mixed_steps, speculate_with
 
 from ninfer_core.builtin_model import BUILTIN_ARTIFACT
 from ninfer_core.config import RuntimeConfig
@@ -29,7 +30,7 @@ from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
 from ninfer_core.spec.config import SpecConfig
-from ninfer_core.spec.types import DraftOptions, Proposal
+from ninfer_core.spec.types import Proposal
 from ninfer_core.text import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -80,46 +81,6 @@ def request(ids: list[int], n: int = 48, params: SamplingParams = GREEDY, **kw):
     return GenerationRequest(ids, params, max_tokens=n, ignore_eos=True, **kw)
 
 
-class ScriptedDrafter:
-    """Proposes what the reference run produced after the sequence's tokens, with every
-    `wrong_every`-th proposed token replaced by another id (so rounds reject too)."""
-
-    uses_hidden = False
-
-    def __init__(self, references: list[list[int]], wrong_every: int = 4) -> None:
-        self.references, self.wrong_every = references, wrong_every
-        self.calls = 0
-        self.accepted: list[int | None] = []
-        self.released: list[int] = []
-
-    def propose(self, inputs):
-        out = []
-        for item in inputs:
-            self.accepted.append(item.accepted)
-            tokens = list(item.token_ids)
-            ref = next((r for r in self.references if r[: len(tokens)] == tokens), None)
-            if ref is None or not item.max_drafts:
-                out.append(Proposal())
-                continue
-            drafts = ref[len(tokens) : len(tokens) + item.max_drafts]
-            for i in range(len(drafts)):
-                self.calls += 1
-                if self.calls % self.wrong_every == 0:
-                    drafts[i] = (drafts[i] + 1) % 4096
-            out.append(Proposal(drafts))
-        return out
-
-    def release(self, seq_id: int) -> None:
-        self.released.append(seq_id)
-
-
-def speculate_with(engine: Engine, drafter, k: int) -> Engine:
-    """`engine` with `drafter` in place of a strategy's (what `--spec` would build)."""
-    engine.drafter, engine.spec_name, engine.spec_options = drafter, "scripted", DraftOptions(k)
-    engine.runner.keep_hidden = drafter.uses_hidden
-    return engine
-
-
 def reference(builtin, ids: list[int], n: int = 48, **kw) -> list[int]:
     engine = make_engine(builtin)
     (result,) = engine.generate([request(ids, n, **kw)])
@@ -156,12 +117,7 @@ def test_a_batch_of_four_beside_a_prefill_with_the_prefix_cache(builtin, prompts
     for _ in range(6):
         engine.step()
     late = engine.add(request(long_prompt, 16))  # prefilled in chunks beside the decodes
-    mixed = 0
-    while engine.has_work:
-        outcome = engine.step()
-        mixed += bool(outcome.prefill) and bool(outcome.decode)
-        engine.check_invariants()
-    assert mixed >= 2
+    assert mixed_steps(engine) >= 2
     assert [r.token_ids for r in results] == wants
     assert late.token_ids == long_want
     assert engine.spec_counters.accepted > 0
@@ -235,7 +191,7 @@ def test_the_drafter_hears_what_was_accepted(builtin, prompts):
     drafter = ScriptedDrafter([ids + want], wrong_every=3)
     engine = speculate_with(make_engine(builtin), drafter, 3)
     (result,) = engine.generate([request(ids, 24)])
-    told = [a for a in drafter.accepted if a is not None]
+    told = [item.accepted for item in drafter.inputs if item.accepted is not None]
     spec = result.finish.usage.spec
     # Every verified round is reported, except the last (the request ended in it).
     assert len(told) >= spec.rounds - 1 and sum(told) <= spec.accepted

@@ -17,6 +17,7 @@ import pytest
 import torch
 from engine_helpers import prompt
 from hybrid_helpers import engine, greedy_request, load_fp32, reference_greedy, save_perturbed
+from spec_helpers import ScriptedDrafter, mixed_steps, speculate_with
 from test_hybrid_qwen3_5 import COMMON, MOE
 
 from ninfer_core.cli.main import main
@@ -27,11 +28,9 @@ from ninfer_core.engine.sequence import SequenceStatus
 from ninfer_core.kv.state import SequenceStatePool
 from ninfer_core.sampling import SamplingParams
 from ninfer_core.spec.config import SpecConfig
-from ninfer_core.spec.types import DraftOptions, Proposal
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 512
 NEW = 32
 
 
@@ -76,45 +75,6 @@ def repetitive(request, tmp_path_factory):
     """Flatter logits (initializer 0.02): the continuation of a repeated prompt repeats
     spans of its context, which is what `ngram` drafts from."""
     return load_hybrid(tmp_path_factory, request.param, 0.02)
-
-
-class ScriptedDrafter:
-    """Proposes what the reference run produced after the sequence's tokens, with every
-    `wrong_every`-th proposed token replaced by another id (so rounds reject too)."""
-
-    uses_hidden = False
-
-    def __init__(self, references: list[list[int]], wrong_every: int = 4) -> None:
-        self.references, self.wrong_every = references, wrong_every
-        self.calls = 0
-        self.inputs: list = []
-
-    def propose(self, inputs):
-        out = []
-        for item in inputs:
-            self.inputs.append(item)
-            tokens = list(item.token_ids)
-            ref = next((r for r in self.references if r[: len(tokens)] == tokens), None)
-            if ref is None or not item.max_drafts:
-                out.append(Proposal())
-                continue
-            drafts = ref[len(tokens) : len(tokens) + item.max_drafts]
-            for i in range(len(drafts)):
-                self.calls += 1
-                if self.calls % self.wrong_every == 0:
-                    drafts[i] = (drafts[i] + 1) % VOCAB
-            out.append(Proposal(drafts))
-        return out
-
-    def release(self, seq_id: int) -> None:
-        pass
-
-
-def speculate_with(eng: Engine, drafter, k: int) -> Engine:
-    """`eng` with `drafter` in place of a strategy's (what `--spec` would build)."""
-    eng.drafter, eng.spec_name, eng.spec_options = drafter, "scripted", DraftOptions(k)
-    eng.runner.keep_hidden = drafter.uses_hidden
-    return eng
 
 
 def plain(hybrid, ids: list[int], n: int = NEW) -> list[int]:
@@ -177,12 +137,7 @@ def test_a_batch_beside_a_prefill_equals_each_alone(hybrid):
     for _ in range(4):
         eng.step()
     late = eng.add(greedy_request("late", late_ids, 12))  # prefilled in chunks beside them
-    mixed = 0
-    while eng.has_work:
-        outcome = eng.step()
-        mixed += bool(outcome.prefill) and bool(outcome.decode)
-        eng.check_invariants()
-    assert mixed >= 2
+    assert mixed_steps(eng) >= 2
     assert [r.token_ids for r in results] == wants
     assert late.token_ids == late_want
     assert 0 < eng.spec_counters.accepted < eng.spec_counters.drafted

@@ -11,9 +11,11 @@ load, and reused while its `config.json` is unchanged.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from ninfer_core.errors import NInferError
 SEED = 20261202
 INIT_STD = 0.02  # Qwen3's initializer_range
 NAME = "bench-qwen3-0.6b-random"
+#: What a model folder written here holds (`model_folder`).
 FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
 
 #: Qwen3-0.6B's config.json, as published.
@@ -157,27 +160,37 @@ def ensure_checkpoint(path: Path | None = None) -> Path:
     weights = path / "model.safetensors"
     if weights.is_file() and config_file.is_file() and _read_json(config_file) == CONFIG:
         return path
+    taken = f"{path}: exists and is not a benchmark checkpoint; pick another"
+    with model_folder(path, taken=taken) as tmp:
+        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        (tmp / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
+        tok_config = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "bos_token": None,
+            "chat_template": CHAT_TEMPLATE,
+        }
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+        save_file(state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@contextlib.contextmanager
+def model_folder(path: Path, *, taken: str) -> Iterator[Path]:
+    """An empty folder beside `path` to write a model's `FILES` into, renamed to `path` when
+    the block ends, so a half-written folder is never taken for a model. A folder already at
+    `path` is replaced only when it holds nothing but `FILES` (one written before, for an
+    older config), checked before anything is drawn; any other is someone's, and raises
+    `NInferError` with the message `taken`."""
     if path.exists():
-        # Replace only what this module wrote (an older config); never a folder of other files.
         if not path.is_dir() or {p.name for p in path.iterdir()} - set(FILES):
-            raise NInferError(f"{path}: exists and is not a benchmark checkpoint; pick another")
+            raise NInferError(taken)
         shutil.rmtree(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
-    (tmp / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
-    tok_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    save_file(state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    # Renamed into place last, so a half-written folder is never taken for the checkpoint.
+    yield tmp
     os.replace(tmp, path)
-    return path
 
 
 def prompt_ids(path: Path, n: int) -> list[int]:

@@ -14,8 +14,6 @@ generator (`checkpoint.state_dict`); the hybrid's are drawn here the same way.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,16 @@ from typing import Any
 import torch
 
 from ninfer_core.bench import checkpoint
-from ninfer_core.builtin_model import SPECIAL_TOKENS, TOKENIZER_CONFIG, builtin_model_dir
+from ninfer_core.builtin_model import (
+    SPECIAL_TOKENS,
+    TOKENIZER_CONFIG,
+    builtin_model_dir,
+    byte_tokenizer_json,
+)
 from ninfer_core.errors import NInferError
 
 #: The longest context either model accepts (`max_position_embeddings`).
 MAX_POSITIONS = 131072
-FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
 #: The built-in byte-level tokenizer's vocabulary: a small head, so that the layers (whose
 #: cost is what moves with the context) are most of a step.
 VOCAB = 256 + len(SPECIAL_TOKENS)
@@ -175,24 +177,16 @@ def parameter_count(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def write_folder(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
-    """`config.json`, the byte-level tokenizer and `model.safetensors` into `path`, renamed
-    into place last so a half-written folder is never taken for a model."""
+    """`config.json`, the byte-level tokenizer and `model.safetensors` into `path`, through
+    `checkpoint.model_folder` (renamed into place last, never over a folder of other files)."""
     from safetensors.torch import save_file
 
-    from ninfer_core.builtin_model import _tokenizer_json
-
-    if path.exists():
-        # Replace only what this module wrote (an older config); never a folder of other files.
-        if not path.is_dir() or {p.name for p in path.iterdir()} - set(FILES):
-            raise NInferError(f"{path}: exists and is not a benchmark model; pick another --out")
-        shutil.rmtree(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
-    (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    taken = f"{path}: exists and is not a benchmark model; pick another --out"
+    with checkpoint.model_folder(path, taken=taken) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

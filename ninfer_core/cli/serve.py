@@ -273,6 +273,7 @@ def load_state(
         temperature=serve.temperature, top_p=serve.top_p, top_k=serve.top_k,
         min_p=serve.min_p, repetition_penalty=serve.repetition_penalty,
         pooling=serve.pooling,
+        model_aliases=tuple(a.strip() for a in (serve.model_aliases or "").split(",") if a.strip()),
     )  # fmt: skip
     state = ServeState(
         engine=engine,

@@ -41,7 +41,7 @@ CACHE_SIZE = 256
 #: whitespace a small model can fill its budget with newlines inside an object.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-Kind = Literal["json_schema", "json_object", "lark", "gbnf"]
+Kind = Literal["json_schema", "json_object", "lark", "gbnf", "regex", "choice"]
 _NEG_INF = float("-inf")
 
 
@@ -52,7 +52,8 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """What a request's answer must match. `text`: the JSON schema (as JSON text) for
-    `json_schema`, the grammar for `lark` and `gbnf`, unused for `json_object`."""
+    `json_schema`, the grammar for `lark` and `gbnf`, the pattern for `regex`, a JSON list
+    of strings for `choice` (the answer is one of them), unused for `json_object`."""
 
     kind: Kind
     text: str = ""
@@ -80,8 +81,8 @@ class Constraint:
                 )
             except ValueError as exc:
                 raise GrammarError(str(exc)) from None
-        if self.kind == "gbnf":
-            return llguidance.grammar_from("gbnf", self.text)
+        if self.kind in ("gbnf", "regex", "choice"):
+            return llguidance.grammar_from(self.kind, self.text)
         return llguidance.LLMatcher.grammar_from_lark(self.text)
 
 

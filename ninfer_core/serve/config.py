@@ -38,6 +38,11 @@ class ServeConfig:
     )
     port: int = opt(DEFAULT_PORT, "TCP port to listen on")
     model_id: str | None = opt(None, "the model name clients send; default: the folder's name")
+    model_aliases: str | None = opt(
+        None,
+        "comma-separated other names a request may send as model (a client's fixed "
+        "placeholder such as gpt-3.5-turbo); *: any name. Answers still name --model-id",
+    )
     api_key: str | None = opt(
         None, f"require this key (Bearer or x-api-key); default: ${API_KEY_ENV}, unset: no auth"
     )

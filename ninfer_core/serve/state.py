@@ -28,6 +28,9 @@ class ServeOptions:
 
     model_id: str
     default_max_tokens: int = 1024
+    #: Other names a request may send as `model` ("*": any); answers name `model_id`.
+    #: Clients written for llama.cpp, which ignores `model`, often send a fixed one.
+    model_aliases: tuple[str, ...] = ()
     #: Sampling values used when a request gives none (None: the model's own defaults).
     temperature: float | None = None
     top_p: float | None = None
@@ -37,6 +40,10 @@ class ServeOptions:
     #: How `/v1/embeddings` pools the final hidden states: "last" or "mean"
     #: (`engine/pooling.py`).
     pooling: str = "last"
+
+    def serves(self, model: str) -> bool:
+        """Whether a request naming `model` is for the served model."""
+        return model == self.model_id or model in self.model_aliases or "*" in self.model_aliases
 
 
 @dataclass

@@ -17,9 +17,10 @@ class Context:
     ping_interval_s: float = 5.0
 
     def check_model(self, model: str) -> None:
-        """Only the id the server was started with is served; any other is a 404."""
+        """Only the id the server was started with (or one of `--model-aliases`) is
+        served; any other is a 404."""
         served = self.state.options.model_id
-        if model != served:
+        if not self.state.options.serves(model):
             raise ApiError(
                 404, "not_found", f"model: {model!r} is not served here; this server serves "
                 f"{served!r}", param="model",

@@ -147,7 +147,8 @@ async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) ->
     thinking_open = convert.opens_thinking(state, ids)
     clamped = budget < data.max_tokens
     opening = convert.opening(state, prompt)
-    return Plan(request, data.model, prompt.tools, thinking_open, stops, clamped, opening,
+    served = state.options.model_id  # an alias (`--model-aliases`) answers as the model
+    return Plan(request, served, prompt.tools, thinking_open, stops, clamped, opening,
                 data.return_spec_stats)  # fmt: skip
 
 

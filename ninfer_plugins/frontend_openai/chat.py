@@ -125,10 +125,10 @@ def route_handlers(state: ServeState) -> list:
             tool_calls=out_calls(output.calls),
         )
         choice = wire.ChatChoice(0, message, finish_reason(finish.reason, output.calls))
-        choice.logprobs, choice.token_ids = tokens.extras(log)
+        choice.logprobs, choice.token_ids = tokens.whole(log)
         spent = usage(finish.usage, with_spec=data.return_spec_stats)
         whole = wire.ChatCompletion(rid, created, model, [choice], spent)
-        whole.prompt_token_ids = tokens.prompt()
+        whole.prompt_token_ids = tokens.prompt_ids
         return Response(whole)
 
     return [chat_completions]
@@ -151,6 +151,12 @@ class Tokens:
         if self.texts is not None:
             logprobs = wire.ChoiceLogprobs(chat_content(self.texts, log.logprobs))
         return logprobs, (UNSET if self.prompt_ids is None else log.ids)
+
+    def whole(self, log: TokenLog) -> tuple[wire.ChoiceLogprobs | None, list[int] | None]:
+        """`extras` for a whole answer's choice: `token_ids` null rather than absent when
+        not asked, as vLLM sends it (its clients read `choice.token_ids`); a chunk omits it."""
+        logprobs, ids = self.extras(log)
+        return logprobs, (None if isinstance(ids, UnsetType) else ids)
 
 
 async def stream(

@@ -58,7 +58,7 @@ async def chat_reply(
         return sse(chunks)
     choices, spent = await until_disconnect(request, chat_answer(events, n, output, tokens))
     whole = wire.ChatCompletion(rid, created, model, choices, usage(spent))
-    whole.prompt_token_ids = tokens.prompt()
+    whole.prompt_token_ids = tokens.prompt_ids
     return Response(whole)
 
 
@@ -79,7 +79,7 @@ def chat_choice(
         tool_calls=out_calls(output.calls),
     )
     choice = wire.ChatChoice(index, message, finish_reason(finish.reason, output.calls))
-    choice.logprobs, choice.token_ids = tokens.extras(log)
+    choice.logprobs, choice.token_ids = tokens.whole(log)
     return choice
 
 

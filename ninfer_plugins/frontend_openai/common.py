@@ -60,17 +60,15 @@ def now() -> int:
 
 def check_model(state: ServeState, model: str | None) -> str:
     """The model the request is for: the served one when it names none (as vLLM and
-    llama.cpp take it); naming another is a 404."""
-    if model is None:
+    llama.cpp take it) or one of `--model-aliases`; naming another is a 404."""
+    if model is None or state.options.serves(model):
         return state.options.model_id
-    if model != state.options.model_id:
-        raise ApiError(
-            404,
-            "not_found",
-            f"the model {model!r} does not exist; this server serves {state.options.model_id!r}",
-            param="model",
-        )
-    return model
+    raise ApiError(
+        404,
+        "not_found",
+        f"the model {model!r} does not exist; this server serves {state.options.model_id!r}",
+        param="model",
+    )
 
 
 def refuse(param: str, why: str) -> ApiError:

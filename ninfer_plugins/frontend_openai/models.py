@@ -26,7 +26,7 @@ def route_handlers(state: ServeState) -> list:
     )
     def retrieve_model(model_id: FromPath[str]) -> wire.Model:
         model_id = model_id.lstrip("/")
-        if model_id != state.options.model_id:
+        if not state.options.serves(model_id):
             raise ApiError(
                 404, "not_found", f"the model {model_id!r} does not exist", param="model"
             )

@@ -5,11 +5,14 @@ Unknown fields are ignored, as OpenAI-compatible servers do (clients send `user`
 `metadata`, ...). Fields this server cannot honour are declared, so that a request relying on
 them is refused with a message instead of being silently served differently (see
 `common.refuse_unsupported`). `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and
-`chat_template_kwargs`, `min_tokens`, `return_token_ids`, `continue_final_message` and
-`add_generation_prompt` are the extensions vLLM made common; `return_spec_stats` is ours.
+`chat_template_kwargs`, `min_tokens`, `return_token_ids`, `continue_final_message`,
+`add_generation_prompt` and `structured_outputs` are the extensions vLLM made common;
+`return_spec_stats` is ours.
 
 Extension fields of a response (`spec_stats`) are `UNSET` unless asked for, and msgspec
 leaves an `UNSET` field out: a response nobody asked extras of is the plain OpenAI shape.
+The exception is a whole chat answer's `token_ids` and `prompt_token_ids`, null when not
+asked, as vLLM sends them.
 """
 
 from __future__ import annotations
@@ -94,6 +97,19 @@ class ResponseFormat(Struct, kw_only=True):
     schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
 
 
+class StructuredOutputs(Struct, kw_only=True):
+    """vLLM's `structured_outputs`: at most one of these constrains the answer. Its other
+    fields (`structural_tag`, `whitespace_pattern`, `disable_*`) are ignored."""
+
+    #: A JSON schema, as an object or as JSON text.
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    #: GBNF (or Lark) grammar text.
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """What chat and completions requests share."""
 
@@ -127,6 +143,8 @@ class SamplingFields(Struct, kw_only=True):
     json_schema: dict[str, Any] | None = None
     #: llama.cpp's: the answer matches this GBNF grammar.
     grammar: str | None = None
+    #: vLLM's: a schema, regex, choice or grammar the answer must match.
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -239,8 +257,9 @@ class ChatChoice(Struct):
     message: AssistantMessage
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
-    #: With `return_token_ids`: the ids generated.
-    token_ids: list[int] | UnsetType = UNSET
+    #: With `return_token_ids`: the ids generated; else null, present as in vLLM, so a
+    #: client reading `choice.token_ids` gets None rather than a missing attribute.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(Struct):
@@ -251,8 +270,8 @@ class ChatCompletion(Struct):
     usage: Usage
     object: str = "chat.completion"
     system_fingerprint: str | None = None
-    #: With `return_token_ids`: the rendered prompt's ids.
-    prompt_token_ids: list[int] | UnsetType = UNSET
+    #: With `return_token_ids`: the rendered prompt's ids; else null (as `token_ids`).
+    prompt_token_ids: list[int] | None = None
 
 
 class ToolCallDelta(Struct):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ninfer_core.sampling import MAX_TOP_LOGPROBS
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_plugins.frontend_openai import wire as chat
 from ninfer_plugins.frontend_openai.common import refuse
@@ -35,15 +36,7 @@ def check_request(data: wire.ResponsesRequest) -> None:
         raise refuse("conversation", "conversations are not supported; use previous_response_id")
     if data.prompt is not None:
         raise refuse("prompt", "prompt templates are not supported by this server")
-    # Chat completions and completions report log probabilities; here a message's text is
-    # parsed out of tokens that also carry reasoning and calls, and which tokens a text
-    # part owns is not tracked: refused rather than attached to the wrong text.
-    if data.top_logprobs:
-        raise refuse(
-            "top_logprobs", "log probabilities are not supported here; use chat completions"
-        )
-    if data.include and LOGPROBS_INCLUDE in data.include:
-        raise refuse("include", f"{LOGPROBS_INCLUDE} is not supported here; use chat completions")
+    logprobs_asked(data)
     fmt = data.text.format if data.text is not None else None
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise refuse("text.format", "type must be text, json_object or json_schema")
@@ -54,6 +47,18 @@ def check_request(data: wire.ResponsesRequest) -> None:
         raise refuse("input", "required unless previous_response_id is given")
     if isinstance(data.input, list) and not data.input and data.previous_response_id is None:
         raise refuse("input", "at least one input item is required")
+
+
+def logprobs_asked(data: wire.ResponsesRequest) -> int | None:
+    """How many alternatives per token the answer's log probabilities carry (None: none
+    asked): `include: ["message.output_text.logprobs"]` or `top_logprobs` (0..20) ask."""
+    asked = bool(data.include and LOGPROBS_INCLUDE in data.include)
+    top = data.top_logprobs
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise refuse("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {top}")
+        asked = True
+    return (top or 0) if asked else None
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:

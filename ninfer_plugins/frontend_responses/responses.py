@@ -29,6 +29,7 @@ from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_plugins.frontend_openai.common import (
+    TokenLog,
     check_model,
     collect,
     first_event,
@@ -38,6 +39,7 @@ from ninfer_plugins.frontend_openai.common import (
 from ninfer_plugins.frontend_openai.constraints import request_constraint
 from ninfer_plugins.frontend_openai.conversation import forced_call
 from ninfer_plugins.frontend_openai.errors import error_body
+from ninfer_plugins.frontend_openai.logprobs import TokenTexts, chat_content, token_texts
 from ninfer_plugins.frontend_openai.output import ChatOutput
 from ninfer_plugins.frontend_openai.prompt import chat_prompt
 from ninfer_plugins.frontend_responses import convert, wire
@@ -60,6 +62,9 @@ class Run:
     #: The conversation before this response's output (stored with it).
     items: list[wire.InputItem]
     assembler: ItemAssembler = field(default_factory=ItemAssembler)
+    #: With log probabilities asked: each token's text, and the tokens' entries so far.
+    texts: TokenTexts | None = None
+    log: TokenLog = field(default_factory=TokenLog)
 
     def feed(self, text: str) -> list[Event]:
         return self.assembler.piece(self.output.feed(text))
@@ -71,6 +76,7 @@ class Run:
         events += self.assembler.finish("incomplete" if incomplete else "completed")
         r = self.response
         r.output = self.assembler.items
+        self.attach_logprobs()
         r.status = "incomplete" if incomplete else "completed"
         if incomplete:
             r.incomplete_details = wire.IncompleteDetails("max_output_tokens")
@@ -79,6 +85,15 @@ class Run:
         if self.data.store:
             self.store.put(r, [*self.items, *convert.output_as_input(r.output)])
         return events
+
+    def attach_logprobs(self) -> None:
+        """Every generated token's entry on the last message's text, those of reasoning and
+        calls too, as vLLM attaches them (chat completions report the same list): which
+        tokens a text part owns is not tracked. A stream's deltas carry none; its final
+        response carries them."""
+        messages = [i for i in self.assembler.items if isinstance(i, wire.MessageItem)]
+        if self.texts is not None and messages:
+            messages[-1].content[0].logprobs = chat_content(self.texts, self.log.logprobs)
 
     def usage(self, finish: FinishEvent) -> wire.ResponseUsage:
         u = finish.usage
@@ -113,6 +128,7 @@ def route_handlers(state: ServeState, store: ResponseStore) -> list:
     ) -> Response | ServerSentEvent:
         model = check_model(state, data.model)
         convert.check_request(data)
+        top = convert.logprobs_asked(data)
         history: list[wire.InputItem] = []
         if data.previous_response_id is not None:
             history = store.get(data.previous_response_id, param="previous_response_id").items
@@ -129,6 +145,7 @@ def route_handlers(state: ServeState, store: ResponseStore) -> list:
                 prompt.ids,
                 data.max_output_tokens,
                 scope=request.scope,
+                logprobs=top,
                 constraint=constraint,
             )
         except ApiError as exc:
@@ -140,12 +157,13 @@ def route_handlers(state: ServeState, store: ResponseStore) -> list:
             skeleton(data, model, gen.params.temperature, gen.params.top_p),
             prompt.output,
             [*history, *new],
+            texts=token_texts(state.tokenizer) if top is not None else None,
         )
         events = state.generate(gen)
         if data.stream:
             first = await first_event(request, events)
             return ServerSentEvent(stream(first, events, run))
-        finish = await until_disconnect(request, collect(events, run.feed))
+        finish = await until_disconnect(request, collect(events, run.feed, run.log))
         run.finish(finish)
         return Response(run.response)
 
@@ -210,6 +228,7 @@ async def stream(
         yield sse("response.in_progress", {"response": run.response})
         event = first
         while not isinstance(event, FinishEvent):
+            run.log.add(event)
             for kind, fields in run.feed(event.text):
                 yield sse(kind, fields)
             event = await anext(events)

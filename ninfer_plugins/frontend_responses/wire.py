@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from msgspec import Struct, field
 
+from ninfer_plugins.frontend_openai.wire import JsonSchemaFormat
+
 # -- requests ------------------------------------------------------------------------------
 
 
@@ -62,13 +64,12 @@ class ReasoningConfig(Struct, kw_only=True):
     summary: str | None = None
 
 
-class TextFormat(Struct, kw_only=True):
-    #: "text", "json_object" or "json_schema" (with `name`, `schema`, `strict`).
+class TextFormat(JsonSchemaFormat, kw_only=True):
+    """`text.format`: chat's `response_format.json_schema` object (`name`, `description`,
+    `schema`, `strict`) flattened beside its `type`."""
+
+    #: "text", "json_object" or "json_schema" (with the schema's fields).
     type: str = "text"
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = field(default=None, name="schema")
-    strict: bool | None = None
 
 
 class TextConfig(Struct, kw_only=True):
@@ -95,7 +96,7 @@ class ResponsesRequest(Struct, kw_only=True):
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
-    #: Extra output to include; only `message.output_text.logprobs` is looked at (refused).
+    #: Extra output to include; only `message.output_text.logprobs` is looked at.
     include: list[str] | None = None
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
