@@ -177,6 +177,27 @@ class DecodeGraph(Protocol):
         ...
 
 
+class VerifyGraph(Protocol):
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_store: KVStore,
+        block_table: torch.Tensor,
+        context: torch.Tensor,
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A speculative round's forward as one traceable function: each of B sequences
+        runs `width` rows (its pending token, then its drafts), input_ids, positions
+        [B * width] sequence-major; block_table [B, P] as `DecodeGraph`'s; context [B]
+        int64, each sequence's context with its first row. Each row must be computed as
+        `DecodeGraph` computes that token decoded alone (bit for bit where its kernels
+        allow: speculation's greedy output must not change). Writes nothing: returns
+        (logits [B * width, vocab] fp32, final hidden states [B * width, hidden], k, v
+        [num_layers, B * width, Hkv, D]) for the caller to store the real rows'."""
+        ...
+
+
 class PackedSizer(Protocol):
     def __call__(self, fmt: str, shape: tuple[int, int], *, dtype: torch.dtype) -> int | None:
         """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt` and run in
@@ -298,6 +319,9 @@ class CausalLM(Protocol):
     #: sequence) as one function `torch.compile` can capture whole
     #: (`ninfer_core/engine/compiled_step.py`).
     decode_graph: DecodeGraph | None = None
+    #: None: a speculative round's forward runs `forward`. Otherwise the round (1 + k
+    #: rows for each sequence) as one capturable function (`engine/compiled_verify.py`).
+    verify_graph: VerifyGraph | None = None
     #: None: the model's MTP layer, if its artifact has one, is a dense decoder layer
     #: (what a draft strategy builds by default). Otherwise its family's `mtp_layer`,
     #: kept on the model for whoever holds only the loaded model (`DraftTarget.model`).

@@ -77,6 +77,11 @@ class SpecBenchConfig:
     prompts: int = opt(0, "prompts per class: the first N bundled ones; 0: all")
     threads: int = opt(0, "torch threads; 0: one per available core")
     dtype: Literal["bf16", "fp32"] = opt("bf16", "compute dtype")
+    compile_decode: bool = opt(
+        False,
+        "every engine, the baseline's included, decodes through the compiled decode step and "
+        "verifies rounds through the compiled round (compiled in the warm-up)",
+    )
     draft_head_model: str | None = opt(
         None,
         "a copy of MODEL with a reduced draft head (`ninfer draft-head build`) for the "
@@ -471,7 +476,8 @@ def run_bench(cfg: SpecBenchConfig, model: str | None = None) -> dict[str, Any]:
     prompts = {c: class_prompts(c, text, builtin=builtin)[: cfg.prompts or None]
                for c in cfg.class_list()}  # fmt: skip
     longest = max(len(ids) for named in prompts.values() for _, ids in named)
-    runtime = RuntimeConfig(dtype=cfg.dtype, max_context=longest + cfg.new + MAX_DRAFT_TOKENS + 1)
+    runtime = RuntimeConfig(dtype=cfg.dtype, max_context=longest + cfg.new + MAX_DRAFT_TOKENS + 1,
+                            compile_decode=cfg.compile_decode)  # fmt: skip
     _build_rows(cfg, loaded.config.vocab_size)  # a bad --draft-head-rows fails here
     # a draft head built for the +lm-head rows lives here until every engine is closed
     with tempfile.TemporaryDirectory(prefix="ninfer-bench-spec-") as scratch:
@@ -493,6 +499,7 @@ def run_bench(cfg: SpecBenchConfig, model: str | None = None) -> dict[str, Any]:
     return {
         "model": str(path),
         "dtype": cfg.dtype,
+        "compile_decode": cfg.compile_decode,
         "prompt_forms": "built-in (raw code, held-out tool turns)" if builtin else "chat template",
         "threads": threads,
         "thread_summary": thread_summary(),
@@ -576,7 +583,9 @@ def render(result: dict[str, Any]) -> str:
         for c, v in result["classes"].items()
     )
     lines = [
-        f"model: {result['model']} ({result['dtype']}), prompts: {result['prompt_forms']}",
+        f"model: {result['model']} ({result['dtype']}"
+        f"{', compiled decode and rounds' if result.get('compile_decode') else ''}), "
+        f"prompts: {result['prompt_forms']}",
         kernel_ops_line(result["kernel_ops"]),
         f"{result['thread_summary']}; {result['new_tokens']} new greedy tokens per prompt, "
         f"fastest of {result['runs']} runs, configurations alternated (order reversed every "

@@ -129,7 +129,7 @@ class CompiledDecode:
                 warnings.simplefilter("ignore")
                 logits, k, v = self._fn(input_ids, positions, self.kv_store, table, context)
         except Exception as exc:  # the compiler or its output, not the request
-            self.failed = _reason(exc)
+            self.failed = failure_reason(exc)
             log.warning("compiled decode step failed, decoding eagerly from now on: %s",
                         self.failed)  # fmt: skip
             return None
@@ -138,7 +138,7 @@ class CompiledDecode:
         return logits
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """One line for a failure: the innermost cause (the compiler wraps what went wrong
     in `BackendCompilerFailed`, as `inner_exception`), its type and the first line of
     its message."""

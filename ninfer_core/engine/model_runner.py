@@ -9,6 +9,7 @@ import torch
 
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.compiled_step import CompiledDecode
+from ninfer_core.engine.compiled_verify import CompiledVerify, verify_refusal
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.kv.state import SequenceStatePool
 from ninfer_core.memory.heap import HeapTrimmer
@@ -57,6 +58,8 @@ class ModelRunner:
         self.states = states
         #: The compiled decode step (`--compile-decode`), or None.
         self.compiled = compiled
+        #: The compiled round forward (`--compile-decode` with `--spec`), or None.
+        self.verify: CompiledVerify | None = None
         #: `step` returns every token's final hidden state (a drafter that reads them is on).
         self.keep_hidden = False
         self.device = next(model.parameters()).device
@@ -68,6 +71,23 @@ class ModelRunner:
     @property
     def block_size(self) -> int:
         return self.block_manager.block_size
+
+    def compile_rounds(self, draft_tokens: int) -> str | None:
+        """With the compiled decode step on, run speculative rounds of up to
+        `draft_tokens` drafts through a compiled graph too (`compiled_verify.py`): rows
+        computed as the compiled decode step computes them, so greedy output is the same
+        with and without speculation. Returns why not, or None (also when the decode
+        step is not compiled: nothing to match)."""
+        if self.compiled is None:
+            return None
+        refusal = "the model keeps per-sequence states" if self.states is not None else None
+        refusal = refusal or verify_refusal(self.model, self.kv_store)
+        if refusal is None:
+            self.verify = CompiledVerify(
+                self.model, self.kv_store, self.block_size, 1 + draft_tokens,
+                self.compiled.max_batch,
+            )  # fmt: skip
+        return refusal
 
     def prepare(
         self, batch: Seq[tuple[Sequence, int]]
@@ -126,6 +146,12 @@ class ModelRunner:
             self.heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         input_ids, positions, meta = self.prepare(batch)
         plain = rows is None and not keep_hidden
+        if not plain and self.verify is not None and self.verify.takes(batch):
+            out = self.verify.run(batch, input_ids, positions, meta)
+            if out is not None:  # else it failed (and said why): run the step eagerly
+                for seq, n in batch:
+                    seq.num_computed_tokens += n
+                return StepForward(out[0], out[1] if keep_hidden else None)
         if plain and self.compiled is not None and self.compiled.takes(batch):
             logits = self.compiled.run(input_ids, positions, meta)
             if logits is not None:  # else it failed (and said why): run the step eagerly

@@ -41,6 +41,7 @@ once the pending tokens fill the k + 1 rows the step runs them without drafts an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,8 @@ from ninfer_core.spec.config import SpecConfig
 from ninfer_core.spec.rejection import accept_row, greedy_round, speculative_round
 from ninfer_core.spec.stats import SpecUsage
 from ninfer_core.spec.types import DraftInput, DraftOptions, DraftTarget
+
+log = logging.getLogger(__name__)
 
 
 def build_drafter(
@@ -80,6 +83,7 @@ def build_drafter(
         block_size=runtime.block_size,
         num_blocks=runtime.block_manager.num_blocks,
         device=next(loaded.model.parameters()).device,
+        compile_steps=runtime.runner.compiled is not None,
     )
     strategies = {e.name: e.obj for e in host.draft_strategies.entries()}
     support = strategies[name].supports_model(target, options)
@@ -95,6 +99,9 @@ def build_drafter(
         )
     drafter = strategies[name].create(target, options)
     conformance.check(drafter, Drafter, f"the drafter draft strategy {name!r} created")
+    refusal = runtime.runner.compile_rounds(options.num_tokens)
+    if refusal is not None:  # the rounds run eagerly; only their speed differs
+        log.warning("--compile-decode: speculative rounds run eagerly: %s", refusal)
     return name, drafter, options
 
 

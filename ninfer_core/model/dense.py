@@ -20,6 +20,7 @@ from ninfer_core.model.layers import (
 )
 from ninfer_core.model.ops import KernelOps
 from ninfer_core.model.rope import RotaryEmbedding
+from ninfer_core.model.verify_graph import dense_verify_graph
 from ninfer_core.quant.tensor import QuantizedTensor
 
 if TYPE_CHECKING:
@@ -119,6 +120,11 @@ class DenseDecoder(nn.Module):
     def decode_graph(self, input_ids, positions, kv_store, block_table, context):
         """One decode token per sequence, capturable whole (`model/decode_graph.py`)."""
         return dense_decode_graph(self, input_ids, positions, kv_store, block_table, context)
+
+    def verify_graph(self, input_ids, positions, kv_store, block_table, context, width: int):
+        """A speculative round's `width` rows per sequence, capturable whole, each row as
+        `decode_graph` computes it alone (`model/verify_graph.py`)."""
+        return dense_verify_graph(self, input_ids, positions, kv_store, block_table, context, width)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] fp32 (the GEMM runs in the model dtype)

@@ -100,6 +100,9 @@ class DraftTarget:
     block_size: int
     num_blocks: int
     device: torch.device
+    #: The engine runs its steps through compiled graphs (`--compile-decode`): a drafter
+    #: may capture its own small forwards too (the `mtp` draft steps do).
+    compile_steps: bool = False
 
 
 @dataclass(frozen=True, slots=True)

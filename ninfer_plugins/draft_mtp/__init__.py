@@ -8,6 +8,8 @@ better than a guess from the context, for one layer's cost instead of the whole 
 - `weights.py`: where the artifact keeps the layer's tensors (either naming).
 - `layer.py`: `MTPLayer`, the layer as a torch module on the target's kernels.
 - `drafter.py`: `MTPDrafter`, the layer's K/V kept in step with the target, and drafting.
+- `compiled.py`: a decoding round's catch-up and drafts as one compiled graph, used when
+  the engine compiles its own steps (`--compile-decode`).
 
 A family whose MTP layer is not a dense decoder layer (the hybrid Qwen3-Next / Qwen3.5:
 gated attention, zero-centred norms, MoE) says so in its contract
@@ -105,7 +107,9 @@ class MTPStrategy:
         c = target.config
         layout = KVLayout(1, c.num_kv_heads, c.head_dim, target.block_size, target.num_blocks)
         store = target.kv_codec.allocate(layout, target.device, compute_dtype=model.dtype)
-        return MTPDrafter(layer, model, _head(target, options), store, target.block_size)
+        steps = options.num_tokens - 1 if target.compile_steps else 0  # after draft 1
+        return MTPDrafter(layer, model, _head(target, options), store, target.block_size,
+                          compile_steps=steps)  # fmt: skip
 
     def __repr__(self) -> str:
         return "MTPStrategy()"

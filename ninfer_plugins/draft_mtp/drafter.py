@@ -16,10 +16,16 @@ A round is a few small forwards, each a hundred-odd small ops on the CPU, so wha
 once per round instead of once per step matters (`_DraftSteps`): the draft steps' slots,
 page tables and RoPE are laid out once per `propose`, token ids stay on the device until
 one `tolist` at the end, and a small vocabulary's normed embeddings are a table.
+
+With `--compile-decode` a round of decoding sequences that draft a full k runs as one
+compiled graph instead (`compiled.py`: the catch-up, padded to k + 1 entries, draft 1's
+argmax and the k - 1 draft steps, the K/V stored after it); a prefill's catch-up and the
+shorter rounds near `max_tokens` stay on the eager path above.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,9 +36,12 @@ from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.plugin_types import KVStore, MTPBlock
 from ninfer_core.spec.draft_head import DraftHead
 from ninfer_core.spec.types import NO_PROPOSAL, DraftInput, Proposal
+from ninfer_plugins.draft_mtp.compiled import CompiledDraftRound, draft_refusal
 
 if TYPE_CHECKING:
     from ninfer_core.model.dense import DenseDecoder
+
+log = logging.getLogger(__name__)
 
 #: Bytes up to which the drafter keeps every token's normed embedding (the layer's first
 #: input, a function of the token alone) as a table in the compute dtype. Computed per
@@ -93,6 +102,8 @@ class MTPDrafter:
         head: DraftHead,
         store: KVStore,
         block_size: int,
+        *,
+        compile_steps: int = 0,
     ) -> None:
         # `layer`: the MTP layer (`MTPLayer`, or the family's own `MTPBlock`).
         # `target`: the loaded model, whose `embed` and `rotary` the layer shares.
@@ -107,6 +118,20 @@ class MTPDrafter:
             with torch.inference_mode():
                 ids = torch.arange(vocab, device=self.device)
                 self.embed_table = layer.embed_input(target.embed(ids))
+        #: The round (catch-up and drafts) compiled (`compiled.py`), or None: eager.
+        #: `compile_steps` (the engine compiles its own steps): the steps after draft 1 of
+        #: a full round, k - 1; only full rounds of decoding sequences run compiled (one
+        #: graph), a prefill's catch-up and the shorter rounds near `max_tokens` eagerly,
+        #: which saves compiling a graph for each.
+        self.compiled: CompiledDraftRound | None = None
+        if compile_steps > 0:
+            refusal = draft_refusal(layer, store)
+            if refusal is None:
+                self.compiled = CompiledDraftRound(
+                    layer, head, self._embed, target.rotary, store, compile_steps
+                )
+            else:
+                log.warning("--compile-decode: MTP drafting runs eagerly: %s", refusal)
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[DraftInput]) -> list[Proposal]:
@@ -124,13 +149,19 @@ class MTPDrafter:
             ends = [inputs[r.index].end for r in active]
             tables = [r.table for r in active]
             plan = _DraftSteps(ends, tables, max(budgets) - 1, self.block_size, self.device)
-        out, cos, sin = self._catch_up(inputs, rows, [] if plan is None else plan.positions)
-        hidden = out[torch.tensor([r.last for r in active], device=self.device)]  # [B, hidden]
-        tokens = self.head.argmax(hidden)  # [B]: each sequence's draft 1
         owners = [r.index for r in active]
-        steps = [(tokens, owners)]
-        if plan is not None:
-            steps += self._draft(plan, budgets, owners, tokens, hidden, cos, sin)
+        drafted = None
+        if plan is not None and self._compiles(rows, active, budgets, plan):
+            drafted = self._propose_compiled(inputs, active, plan)
+        if drafted is not None:
+            steps = [(row, owners) for row in drafted]
+        else:
+            out, cos, sin = self._catch_up(inputs, rows, [] if plan is None else plan.positions)
+            hidden = out[torch.tensor([r.last for r in active], device=self.device)]  # [B, hidden]
+            tokens = self.head.argmax(hidden)  # [B]: each sequence's draft 1
+            steps = [(tokens, owners)]
+            if plan is not None:
+                steps += self._draft(plan, budgets, owners, tokens, hidden, cos, sin)
         flat = iter(torch.cat([t for t, _ in steps]).tolist())  # one device sync
         drafts: dict[int, list[int]] = {}
         for _, indices in steps:
@@ -140,6 +171,42 @@ class MTPDrafter:
             Proposal(token_ids=drafts[i]) if i in drafts else NO_PROPOSAL
             for i in range(len(inputs))
         ]
+
+    def _compiles(self, rows, active, budgets, plan: _DraftSteps) -> bool:
+        """Whether this round runs the compiled graph: every sequence decoding (its
+        catch-up one round's rows at most) and drafting a full round."""
+        c = self.compiled
+        if c is None or c.failed is not None or len(rows) != len(active):
+            return False
+        width = c.steps_after_first + 2  # k + 1
+        return plan.steps == c.steps_after_first == min(budgets) - 1 and all(
+            r.stop - r.start <= width for r in rows
+        )
+
+    def _propose_compiled(
+        self, inputs: Sequence[DraftInput], active: list[_Rows], plan: _DraftSteps
+    ) -> list[torch.Tensor] | None:
+        """Each sequence's drafts through the compiled round: [B] tensors, draft 1 first;
+        None when it failed (draft eagerly: nothing was written)."""
+        width = self.compiled.steps_after_first + 2
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        picks: list[torch.Tensor] = []
+        for r in active:
+            inp = inputs[r.index]
+            n = r.stop - r.start
+            pad = width - n
+            ids += inp.token_ids[r.start + 1 : r.stop + 1] + [inp.token_ids[r.stop]] * pad
+            positions += list(range(r.start, r.stop)) + [r.stop - 1] * pad
+            slots += [r.table[p // bs] * bs + p % bs for p in range(r.start, r.stop)]
+            rows = _hidden(inp)[:n]
+            picks.append(rows if not pad else torch.cat((rows, rows[-1:].expand(pad, -1))))
+        hidden = (picks[0] if len(picks) == 1 else torch.cat(picks)).to(self.layer.dtype)
+        counts = [r.stop - r.start for r in active]
+        drafts = self.compiled.run(ids, hidden, positions, counts, plan.tables, slots, plan.slots)
+        return None if drafts is None else list(drafts.unbind(0))
 
     def _draft(
         self,

@@ -80,6 +80,7 @@ class HybridDecoder(nn.Module):
 
     #: Every step runs `forward`: the state layers' ops loop over sequences on the host.
     decode_graph = None
+    verify_graph = None
 
     def __init__(
         self,

@@ -1,0 +1,171 @@
+"""Speculative rounds through compiled graphs (`--compile-decode` with `--spec`).
+
+The round's forward (`engine/compiled_verify.py`) must compute every row as the compiled
+decode step computes that token alone, bit for bit in bf16, or greedy output would change
+with speculation: checked row by row at contexts on and off page boundaries, for one
+sequence and two, and end to end through the engine (mtp, whose rounds all run the
+graph, and ngram, whose rounds mix it with plain compiled decode steps). The MTP
+drafter's compiled round (catch-up and draft steps in one graph,
+`ninfer_plugins/draft_mtp/compiled.py`) only changes what is accepted: in fp32 it drafts
+what the eager forwards draft.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer_core.builtin_model import BUILTIN_ARTIFACT
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import probe_device
+from ninfer_core.engine.compiled_verify import verify_refusal
+from ninfer_core.engine.config import EngineConfig
+from ninfer_core.engine.engine import Engine
+from ninfer_core.engine.request import GenerationRequest
+from ninfer_core.engine.runtime import RuntimeSpec, build_runtime
+from ninfer_core.engine.sequence import Sequence
+from ninfer_core.loading import load_model
+from ninfer_core.plugin_host import create_host
+from ninfer_core.sampling import SamplingParams
+from ninfer_core.spec.config import SpecConfig
+from ninfer_core.text import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import builtin_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+EXTRA = [50, 60, 70, 80, 90, 100]
+
+
+@pytest.fixture(scope="module")
+def host_device():
+    return create_host(), probe_device(use_cuda=False)
+
+
+def loaded_as(host_device, dtype: str):
+    host, device = host_device
+    return load_model(BUILTIN_ARTIFACT, host=host, device=device,
+                      runtime=RuntimeConfig(dtype=dtype))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bf16(host_device):
+    return loaded_as(host_device, "bf16")
+
+
+def runtime_for(bf16, host_device, sequences: int = 1, draft_tokens: int = 0):
+    host, device = host_device
+    spec = RuntimeSpec.for_tokens(2048, compile_decode=True, max_sequences=sequences)
+    runtime = build_runtime(bf16, host, device, spec)
+    assert runtime.runner.compiled is not None
+    if draft_tokens:
+        assert runtime.runner.compile_rounds(draft_tokens) is None
+    return runtime
+
+
+def lone_rows(runtime, ids: list[int]) -> torch.Tensor:
+    """The compiled decode step's logits for each of EXTRA decoded alone after `ids`."""
+    runner, seq = runtime.runner, Sequence(ids + EXTRA)
+    runner.run([(seq, len(ids))])
+    rows = torch.cat([runner.run([(seq, 1)]) for _ in EXTRA])
+    runtime.block_manager.free(seq)
+    return rows
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + salt) % 4000 + 5 for i in range(n)]
+
+
+def test_a_rounds_rows_equal_lone_compiled_decodes_bit_for_bit_in_bf16(bf16, host_device):
+    lone, rounds = runtime_for(bf16, host_device), runtime_for(bf16, host_device, 1, 3)
+    runner = rounds.runner
+    # contexts on and off page boundaries (16-token pages; 47 + 4 rows cross one)
+    for n in (40, 47, 150, 321):
+        ids = prompt(n)
+        want = lone_rows(lone, ids)
+        for rows in (4, 3, 2):
+            seq = Sequence(ids + EXTRA[:1])
+            runner.run([(seq, n)])
+            seq.draft_ids = EXTRA[1:rows]
+            got = runner.step([(seq, rows)]).logits
+            assert torch.equal(got, want[:rows]), (n, rows)
+            seq.draft_ids = []
+            rounds.block_manager.free(seq)
+    assert runner.verify.failed is None and runner.verify.steps == 12
+
+
+def test_two_sequences_in_one_round_equal_their_lone_decodes(bf16, host_device):
+    lone, rounds = runtime_for(bf16, host_device), runtime_for(bf16, host_device, 2, 3)
+    a, b = prompt(33, 1), prompt(78, 2)
+    want = [lone_rows(lone, ids) for ids in (a, b)]
+    sa, sb = Sequence(a + EXTRA[:1]), Sequence(b + EXTRA[:1])
+    rounds.runner.run([(sa, len(a))])
+    rounds.runner.run([(sb, len(b))])
+    sa.draft_ids, sb.draft_ids = EXTRA[1:4], EXTRA[1:2]  # 4 rows and 2 (padded to 4)
+    out = rounds.runner.step([(sa, 4), (sb, 2)])
+    assert torch.equal(out.logits[:4], want[0][:4])
+    assert torch.equal(out.logits[4:], want[1][:2])
+    assert rounds.runner.verify.steps == 1
+
+
+def json_prompts(bf16) -> list[list[int]]:
+    tokenizer = Tokenizer.from_artifact(bf16.artifact)
+    template = builtin_corpus.ChatTemplate(builtin_corpus.CHAT_TEMPLATE)
+    out = []
+    for seed in (7, 11):
+        transcript = builtin_corpus.transcript(random.Random(seed), template)
+        cut = transcript.index("<tool_call>") + len("<tool_call>\n")
+        out.append(tokenizer.encode(transcript[:cut], add_special_tokens=False))
+    return out
+
+
+def generate(loaded, host_device, spec: SpecConfig | None, prompts, compile_decode: bool):
+    host, device = host_device
+    config = EngineConfig(kv_capacity=2048)
+    engine = Engine(loaded, config, host=host, device=device, spec=spec,
+                    compile_decode=compile_decode)  # fmt: skip
+    params = SamplingParams(temperature=0.0)
+    requests = [GenerationRequest(ids, params, max_tokens=64, ignore_eos=True) for ids in prompts]
+    return [r.token_ids for r in engine.generate(requests)], engine
+
+
+@pytest.mark.parametrize("strategy", ["mtp", "ngram"])
+def test_greedy_output_is_the_compiled_baselines_in_bf16(bf16, host_device, strategy):
+    prompts = json_prompts(bf16)
+    want, _ = generate(bf16, host_device, None, prompts, True)
+    got, engine = generate(bf16, host_device, SpecConfig(spec=strategy, draft_tokens=3),
+                           prompts, True)  # fmt: skip
+    assert got == want
+    assert engine.runner.verify.steps > 0 and engine.runner.verify.failed is None
+    if strategy == "mtp":
+        assert engine.drafter.compiled.steps > 0 and engine.drafter.compiled.failed is None
+        assert engine.spec_counters.accepted > engine.spec_counters.drafted // 2
+
+
+def test_compiled_draft_steps_draft_what_the_eager_ones_draft_in_fp32(host_device):
+    fp32 = loaded_as(host_device, "fp32")
+    prompts = json_prompts(fp32)
+    spec = SpecConfig(spec="mtp", draft_tokens=4)
+    eager_ids, eager = generate(fp32, host_device, spec, prompts, False)
+    ids, compiled = generate(fp32, host_device, spec, prompts, True)
+    assert compiled.drafter.compiled.steps > 0
+    assert ids == eager_ids
+    counts = [(e.spec_counters.drafted, e.spec_counters.accepted) for e in (eager, compiled)]
+    assert counts[0] == counts[1]
+
+
+def test_refusals_name_the_reason(bf16):
+    class NoGraph:
+        verify_graph = None
+
+    assert verify_refusal(NoGraph(), None) == "the model family offers no verify graph"
+
+    class Quantized:
+        dtype = torch.bfloat16
+
+    assert "K and V as computed" in verify_refusal(bf16.model, Quantized())
