@@ -100,6 +100,7 @@ def _spans(meta) -> list[tuple[int, int]]:
 class ToyRecurrentLM(nn.Module):
     #: Every step runs `forward` (no capturable decode step).
     decode_graph = None
+    verify_graph = None
     mtp_layer = None  # no MTP layer of its own
 
     def __init__(self, config: ModelConfig, ops, dtype, kinds, size) -> None:
