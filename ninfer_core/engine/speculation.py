@@ -5,7 +5,7 @@ token, then the drafts), beside the other sequences' decode tokens and prefill c
 forward's logits rows verify the drafts (`verify`). Rejected drafts are rolled back by
 rewinding the sequence's computed-token count: their K/V slots lie past it and the next
 forward writes over them, so nothing is copied. Tokens are accepted one at a time through
-the same path a non-speculative step takes (`Engine._accept`), with the computed count and
+the same path a non-speculative step takes (`Postprocessor.accept`), with the computed count and
 the prefix cache's commit advanced before each, so penalties, stop strings, `max_tokens` and
 the cache index see exactly what a run without speculation sees. The prefix cache indexes
 only full blocks of computed tokens, and the count never covers a rejected draft, so no
