@@ -13,7 +13,7 @@ choice first), a finish chunk per choice, and one usage chunk at the end when as
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from litestar import Request, Response
 from litestar.response import ServerSentEvent
@@ -83,19 +83,29 @@ def chat_choice(
     return choice
 
 
-async def chat_answer(
-    events: AsyncIterator[GenerationEvent], n: int, output: ChatOutput, tokens: Tokens
-) -> tuple[list[wire.ChatChoice], EngineUsage]:
-    """Every choice of a whole (not streamed) answer, in index order, and the usage."""
-    outputs = chat_outputs(output, n)
+async def gather_choices(
+    events: AsyncIterator[GenerationEvent], n: int, feed: Callable[[int, str], object]
+) -> tuple[list[TokenLog], dict[int, FinishEvent]]:
+    """Read a whole answer of `n` choices: each token event's text goes to `feed(index,
+    text)` and its log probabilities to that choice's log; returns the logs and the
+    finish events by index (chat and completions differ only in what `feed` builds)."""
     logs = [TokenLog() for _ in range(n)]
     finishes: dict[int, FinishEvent] = {}
     async for event in events:
         if isinstance(event, FinishEvent):
             finishes[event.index] = event
         else:
-            outputs[event.index].feed(event.text)
+            feed(event.index, event.text)
             logs[event.index].add(event)
+    return logs, finishes
+
+
+async def chat_answer(
+    events: AsyncIterator[GenerationEvent], n: int, output: ChatOutput, tokens: Tokens
+) -> tuple[list[wire.ChatChoice], EngineUsage]:
+    """Every choice of a whole (not streamed) answer, in index order, and the usage."""
+    outputs = chat_outputs(output, n)
+    logs, finishes = await gather_choices(events, n, lambda i, text: outputs[i].feed(text))
     choices = [chat_choice(i, outputs[i], finishes[i], tokens, logs[i]) for i in range(n)]
     return choices, total_usage(finishes)
 
@@ -208,14 +218,7 @@ async def completion_answer(
 ) -> tuple[list[wire.CompletionChoice], EngineUsage]:
     """Every choice of a whole (not streamed) completion, in index order, and the usage."""
     texts = [[echo] for _ in range(n)]
-    logs = [TokenLog() for _ in range(n)]
-    finishes: dict[int, FinishEvent] = {}
-    async for event in events:
-        if isinstance(event, FinishEvent):
-            finishes[event.index] = event
-        else:
-            texts[event.index].append(event.text)
-            logs[event.index].add(event)
+    logs, finishes = await gather_choices(events, n, lambda i, text: texts[i].append(text))
     choices = []
     for i, more in enumerate(completion_extras(extras, n)):
         reason = completion_reason(finishes[i].reason)
