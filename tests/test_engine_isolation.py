@@ -166,7 +166,7 @@ def test_a_sampled_id_outside_the_vocabulary_ends_only_its_request(make_engine, 
     engine = make_engine(max_concurrency=3)
     sinks, _ = start(engine)
     history = engine._live[sinks[POISONED].request_id].history
-    real = engine.sampler.sample
+    real = engine.postprocess.sampler.sample
 
     def sample(logits, params, histories):
         tokens = real(logits, params, histories)
@@ -175,7 +175,7 @@ def test_a_sampled_id_outside_the_vocabulary_ends_only_its_request(make_engine, 
                 tokens[i] = engine.vocab_size
         return tokens
 
-    engine.sampler.sample = sample
+    engine.postprocess.sampler.sample = sample
     finish(engine)
     assert_failed(sinks[POISONED], f"sampled token id {engine.vocab_size}")
     assert sinks[POISONED].token_ids == []
@@ -186,14 +186,14 @@ def test_a_sampler_that_raises_on_one_row_ends_only_its_request(make_engine, alo
     engine = make_engine(max_concurrency=3)
     sinks, _ = start(engine)
     history = engine._live[sinks[POISONED].request_id].history
-    real = engine.sampler.sample
+    real = engine.postprocess.sampler.sample
 
     def sample(logits, params, histories):
         if any(h is history for h in histories):
             raise RuntimeError("bad row")
         return real(logits, params, histories)
 
-    engine.sampler.sample = sample
+    engine.postprocess.sampler.sample = sample
     finish(engine)
     assert_failed(sinks[POISONED], "sampling failed", "bad row")
     assert_victims_unharmed(sinks, alone)

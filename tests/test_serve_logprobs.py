@@ -206,7 +206,7 @@ class EagerEnd:
 def eager_server(model_dir):
     state = make_state(model_dir)
     end = state.tokenizer.token_to_id("<|im_end|>")
-    state.engine.sampler = EagerEnd(state.engine.sampler, end)
+    state.engine.postprocess.sampler = EagerEnd(state.engine.postprocess.sampler, end)
     with serving(state) as srv:
         yield srv
 

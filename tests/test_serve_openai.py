@@ -85,7 +85,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     state = make_state(model_dir)
-    state.engine.sampler = ScriptedSampler(state.engine.sampler, state.tokenizer, SCRIPTS)
+    state.engine.postprocess.sampler = ScriptedSampler(
+        state.engine.postprocess.sampler, state.tokenizer, SCRIPTS
+    )
     with serving(state, openai_host(), api_key=KEY) as srv:
         yield srv
 

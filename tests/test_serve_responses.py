@@ -54,7 +54,9 @@ class SmallStore:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     state = make_state(write_serve_model(tmp_path_factory.mktemp("responses-model")))
-    state.engine.sampler = ScriptedSampler(state.engine.sampler, state.tokenizer, SCRIPTS)
+    state.engine.postprocess.sampler = ScriptedSampler(
+        state.engine.postprocess.sampler, state.tokenizer, SCRIPTS
+    )
     with serving(state, frontends_host(("frontend-responses", SmallStore()))) as srv:
         yield srv
 

@@ -150,7 +150,7 @@ def slot_state(pool: SequenceStatePool, slot: int) -> list[torch.Tensor]:
     return [buf[row].clone() for bufs in pool.buffers.values() for buf in bufs]
 
 
-def test_a_request_that_stops_inside_a_round_ends_with_a_true_state(hybrid):
+def test_a_request_that_stops_inside_a_round_ends_with_a_true_state(hybrid, monkeypatch):
     """A stop token accepted as draft 2 of 5: the request ends there, its slot is free,
     and the state it ended with is the state of the tokens `state_position` says, none
     of the drafts after the stop."""
@@ -158,18 +158,17 @@ def test_a_request_that_stops_inside_a_round_ends_with_a_true_state(hybrid):
     want = plain(hybrid, ids)
     # Completion token 0 comes from the prefill; round 1's drafts are tokens 1..5.
     stop = next(m for m in (2, 3, 4) if want[m] not in want[:m])
-    eng = speculate_with(engine(hybrid), ScriptedDrafter([ids + want], 10**9), 5)
-    pool, ended = eng.runtime.states, []
-    original = eng._end
+    ended, original = [], Engine._end
 
-    def end(live, reason, events, **kw):
+    def end(self, live, reason, events, **kw):  # every end of the engines built below
         seq = live.seq
         if seq.status is SequenceStatus.RUNNING:
-            state = slot_state(pool, seq.state_slot)
+            state = slot_state(self.runtime.states, seq.state_slot)
             ended.append((reason, seq.state_position, list(seq.token_ids), state))
-        original(live, reason, events, **kw)
+        original(self, live, reason, events, **kw)
 
-    eng._end = end
+    monkeypatch.setattr(Engine, "_end", end)
+    eng = speculate_with(engine(hybrid), ScriptedDrafter([ids + want], 10**9), 5)
     request = GenerationRequest(ids, SamplingParams(temperature=0.0), max_tokens=NEW,
                                 ignore_eos=True, stop_token_ids=[want[stop]])  # fmt: skip
     (result,) = run_checked(eng, [request])
@@ -178,14 +177,11 @@ def test_a_request_that_stops_inside_a_round_ends_with_a_true_state(hybrid):
     assert reason == "stop" and tokens == ids + want[: stop + 1]
     assert position == len(ids)  # the round's start: the prompt, nothing drafted
     # The same state from a fresh run over exactly those tokens.
+    ended.clear()
     fresh = speculate_with(engine(hybrid), ScriptedDrafter([]), 1)
-    seq_state = []
-    fresh._end = lambda live, *a, **kw: (
-        seq_state.append(slot_state(fresh.runtime.states, live.seq.state_slot)),
-        Engine._end(fresh, live, *a, **kw),
-    )
     fresh.generate([greedy_request("f", ids, 1)])
-    for ours, theirs in zip(state, seq_state[0], strict=True):
+    ((_, _, _, theirs_state),) = ended
+    for ours, theirs in zip(state, theirs_state, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 

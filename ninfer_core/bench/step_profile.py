@@ -138,7 +138,7 @@ class StepProfiler:
             self._wrap(compiled, "run", COMPILED)
         else:
             self._wrap_ops(ops, store, model)
-        self._wrap(engine.sampler, "sample", "sampling")
+        self._wrap(engine.postprocess.sampler, "sample", "sampling")
         self._wrap(runner, "prepare", "metadata (host)")
         original_step = engine.step
 

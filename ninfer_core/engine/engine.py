@@ -134,14 +134,14 @@ class Engine(StepThread):
         self._families: dict[str, list[str]] = {}
         self._thread: threading.Thread | None = None
         self._closing = False
-        #: Sampling, masks, log probabilities, verification and accepting tokens. `_end`
-        #: is looked up per call, so one wrapped on the instance (a test's) sees every end.
+        #: Sampling, masks, log probabilities, verification and accepting tokens; its
+        #: `sampler` is the engine's.
         self.postprocess = Postprocessor(
             tokenizer=self.tokenizer, vocab_size=self.vocab_size,
             model_stop_ids=self.model_stop_ids, sampler=Sampler(seed),
             block_manager=self.block_manager, states=self.runtime.states,
             spec_counters=self.spec_counters, by_seq=self._by_seq,
-            end=lambda *a, **kw: self._end(*a, **kw),
+            end=self._end,
             forked=self._forked,
         )  # fmt: skip
 
@@ -283,7 +283,7 @@ class Engine(StepThread):
                 if result.output is not None:
                     self.postprocess.pool(result.ok, result.output, events)
                     self.postprocess.run(result.ok, result.output.logits, events, accepted)
-                    self.scheduler.snapshot_prefills(result.ok)
+                    self._capture_prefill_states(result.ok)
                     if self.drafter is not None:
                         proposing = draft_inputs(
                             result.ok, result.output, begun, accepted,
@@ -315,15 +315,6 @@ class Engine(StepThread):
             self._drafter_failed = True
             for seq in seqs:
                 seq.draft_ids, seq.draft_probs = [], None
-
-    @property
-    def sampler(self) -> Sampler:
-        """The step's sampler (`Postprocessor` owns it); a test or the server may swap it."""
-        return self.postprocess.sampler
-
-    @sampler.setter
-    def sampler(self, sampler: Sampler) -> None:
-        self.postprocess.sampler = sampler
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -370,6 +361,18 @@ class Engine(StepThread):
         self.scheduler.adopt(seq, forks)
         return family
 
+    def _capture_prefill_states(self, ran: list[tuple[Sequence, int]]) -> None:
+        """After a step: snapshot the states of the prompts whose chunk ended at a capture
+        point (`StateSnapshots.chunk` chose where); their full blocks are committed by
+        then. Here, after the step, rather than in the scheduler: it copies the state
+        layers' tensors."""
+        snapshots = self.runtime.snapshots
+        if snapshots is None:
+            return
+        for seq, _ in ran:
+            if seq.status is SequenceStatus.RUNNING and snapshots.at_capture_point(seq):
+                snapshots.capture(seq, seq.num_computed_tokens)
+
     def _end(
         self,
         live: RequestState,
@@ -382,7 +385,9 @@ class Engine(StepThread):
     ) -> None:
         seq, rid = live.seq, live.request_id
         if seq.status is SequenceStatus.RUNNING:
-            self.scheduler.finish(seq, snapshot=error is None)
+            if error is None and self.runtime.snapshots is not None:  # a sound state
+                self.runtime.snapshots.capture(seq, seq.state_position)
+            self.scheduler.finish(seq)
             seq.draft_ids, seq.draft_probs = [], None
             if self.drafter is not None:
                 self._release(seq.seq_id)

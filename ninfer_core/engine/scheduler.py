@@ -151,14 +151,13 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def finish(self, seq: Sequence, snapshot: bool = False) -> None:
+    def finish(self, seq: Sequence) -> None:
         """A running sequence ends (stop, length, cancel, error): its pages go back now.
-        `snapshot`: its state is sound (no error), so keep a snapshot of it first."""
+        (The engine has already snapshotted a sound state: copying tensors is not this
+        policy's work.)"""
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         if self.snapshots is not None:
-            if snapshot:
-                self.snapshots.capture(seq, seq.state_position)
             self.snapshots.forget(seq)
         self.block_manager.free(seq)
         if seq.state_slot is not None:
@@ -269,12 +268,3 @@ class Scheduler:
                 prefill.append((seq, n))
                 budget -= n
         return decode + prefill
-
-    def snapshot_prefills(self, ran: list[tuple[Sequence, int]]) -> None:
-        """After a step: snapshot the states of the prompts whose chunk ended at a capture
-        point (`StateSnapshots.chunk`); their full blocks are committed by then."""
-        if self.snapshots is None:
-            return
-        for seq, _ in ran:
-            if seq.status is SequenceStatus.RUNNING and self.snapshots.at_capture_point(seq):
-                self.snapshots.capture(seq, seq.num_computed_tokens)
