@@ -120,7 +120,7 @@ def script(state, monkeypatch):
         tok = state.tokenizer
         sampler = ScriptedSampler(tok.encode(text, add_special_tokens=False),
                                   tok.token_to_id("<|im_end|>"), delay_s)  # fmt: skip
-        monkeypatch.setattr(state.engine, "sampler", sampler)
+        monkeypatch.setattr(state.engine.postprocess, "sampler", sampler)
         return sampler
 
     return use

@@ -67,7 +67,7 @@ def script(server, monkeypatch):
         sampler = ScriptedSampler(
             tok.encode(text, add_special_tokens=False), tok.token_to_id("<|im_end|>")
         )
-        monkeypatch.setattr(server.state.engine, "sampler", sampler)
+        monkeypatch.setattr(server.state.engine.postprocess, "sampler", sampler)
         return lambda: tok.decode(sampler.prompts[-1])
 
     return use
