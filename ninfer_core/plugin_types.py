@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
     from ninfer_core.kv.hadamard import HeadRotation
     from ninfer_core.kv.layout import KVLayout
+    from ninfer_core.kv.pages import KVPages
     from ninfer_core.kv.state import StepStates
     from ninfer_core.memory.planner import PackedBytes
     from ninfer_core.model.attention_meta import AttentionMetadata
@@ -155,6 +156,14 @@ class LoadPages(Protocol):
     def __call__(self, blocks: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> None:
         """Overwrite pages `blocks` ([n] int64, possibly others than were saved) of every
         layer with what `save_pages` returned for as many pages."""
+        ...
+
+
+class RawPages(Protocol):
+    def __call__(self, layer: int) -> KVPages:
+        """Layer `layer`'s live K and V pools as stored (`ninfer_core.kv.pages.KVPages`:
+        views, not copies, with their encoding, scales and rotation), for kernels that
+        read and decode pages in place."""
         ...
 
 
@@ -489,6 +498,12 @@ class KVStore(Protocol):
     #: filled page, so a prompt shorter than a block can resume from its own earlier run.
     save_pages: SavePages | None = None
     load_pages: LoadPages | None = None
+    #: None: the store offers no in-place access, and a fused attention kernel that reads
+    #: pages through the block table (the Triton backend's) refuses it. Otherwise
+    #: `raw_pages(layer)` describes the layer's live pools (`KVPages`: `[NB, BS, Hkv, W]`
+    #: values or codes, fp16 group scales, bits, group size, rotation), so a kernel
+    #: dequantizes inside instead of gathering a decoded copy of the context.
+    raw_pages: RawPages | None = None
 
 
 @runtime_checkable

@@ -31,6 +31,7 @@ class OldStore:
     rotation = None
     write_layers = None
     save_pages = load_pages = None
+    raw_pages = None
 
     def __init__(self, layout, device, compute_dtype) -> None:
         self.layout, self.device = layout, torch.device(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ninfer_core.kv.layout import KVLayout
+from ninfer_core.kv.pages import KVPages, PagePool
 
 
 class PlainKVStore:
@@ -57,6 +58,17 @@ class PlainKVStore:
         flat = self.pool.view(2, layers, hkv, nb * bs, d)
         flat[0].index_copy_(2, slots, k.transpose(1, 2).to(self.dtype))
         flat[1].index_copy_(2, slots, v.transpose(1, 2).to(self.dtype))
+
+    def raw_pages(self, layer: int) -> KVPages:
+        """Layer `layer`'s live K and V pages as `[NB, BS, Hkv, D]` views (strided: the
+        pool is head-major underneath), for kernels that read them in place."""
+        d = self.layout.head_dim
+        bits = self.dtype.itemsize * 8
+
+        def pool(pages: torch.Tensor) -> PagePool:  # [Hkv, NB, BS, D] -> [NB, BS, Hkv, D]
+            return PagePool(pages.permute(1, 2, 0, 3), None, "float", bits, d)
+
+        return KVPages(pool(self.k[layer]), pool(self.v[layer]), d)
 
     def gather_heads(
         self,

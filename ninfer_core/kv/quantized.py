@@ -8,10 +8,11 @@ store; `gather` dequantizes whole pages back to `compute_dtype`.
 
 With `rotate=True` (rk8v4) K and V are multiplied by the head-dim Hadamard matrix H
 before quantizing, and `gather` rotates them back (`x_rot · Hᵀ`), so the attention
-kernels see ordinary K and V and need no change. A fused kernel would instead keep K
-and V rotated, rotate q by H (scores are unchanged: `qH · kH = q · k`) and rotate the
-attention output by Hᵀ (`softmax(s) · VH · Hᵀ = softmax(s) · V`): one rotation per query
-and output row instead of one per cached token.
+kernels see ordinary K and V and need no change. A fused kernel instead reads the
+rotated codes in place (`raw_pages`, with the store's `rotation`), rotates q by H
+(scores are unchanged: `qH · kH = q · k`) and the attention output by Hᵀ
+(`softmax(s) · VH · Hᵀ = softmax(s) · V`): one rotation per query and output row
+instead of one per cached token.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 from ninfer_core.device import DeviceInfo
 from ninfer_core.kv.hadamard import HeadRotation
 from ninfer_core.kv.layout import KVLayout
-from ninfer_core.kv.quant import GroupQuantizer, group_size
+from ninfer_core.kv.pages import KVPages, PagePool
+from ninfer_core.kv.quant import Fp8Quantizer, GroupQuantizer, group_size
 from ninfer_core.support import Support
 
 
@@ -90,6 +92,25 @@ class QuantizedKVStore:
             codes, scales = self.quant[kv].encode(x)  # [T, Hkv, W], [T, Hkv, D/G]
             self.codes[kv][layer].flatten(0, 1).index_copy_(0, slots, codes)
             self.scales[kv][layer].flatten(0, 1).index_copy_(0, slots, scales)
+
+    def raw_pages(self, layer: int) -> KVPages:
+        """Layer `layer`'s live code and scale pools, as stored (rotated for rk8v4), for
+        kernels that dequantize inside: `[NB, BS, Hkv, W]` codes, `[NB, BS, Hkv, D/G]`
+        fp16 scales."""
+        d = self.layout.head_dim
+        pools = []
+        for kv, quant in enumerate(self.quant):
+            fp8 = isinstance(quant, Fp8Quantizer)
+            pools.append(
+                PagePool(
+                    self.codes[kv][layer],
+                    self.scales[kv][layer],
+                    "fp8_e4m3" if fp8 else "int",
+                    8 // quant.values_per_byte,
+                    group_size(d),
+                )
+            )
+        return KVPages(pools[0], pools[1], d, self.rotation)
 
     def gather(
         self, layer: int, block_table: torch.Tensor, length: int | None = None

@@ -29,6 +29,8 @@ class Int16KVStore:
     write_layers = None
     #: No raw page copies: a hybrid model's prefix cache resumes at block boundaries only.
     save_pages = load_pages = None
+    #: No in-place page access: GPU attention kernels that read pages (Triton) refuse it.
+    raw_pages = None
 
     def __init__(self, layout, device, compute_dtype: torch.dtype) -> None:
         self.layout = layout

@@ -37,6 +37,8 @@ class TokenMajorBF16Store:
     write_layers = None
     #: No raw page copies: a hybrid model's prefix cache resumes at block boundaries only.
     save_pages = load_pages = None
+    #: No in-place page access: GPU attention kernels that read pages (Triton) refuse it.
+    raw_pages = None
 
     def __init__(self, layout: KVLayout, device: torch.device | str, compute_dtype: torch.dtype):
         self.layout = layout

@@ -1,0 +1,73 @@
+"""`KVPages`: a store's raw page pools of one layer, for kernels that read them in place.
+
+A fused attention kernel reads K and V straight from the pool through the block table,
+decoding codes inside the kernel, so no dequantized copy of the context is ever made.
+It needs to know where the pools are and how each is encoded; `KVStore.raw_pages(layer)`
+answers with these descriptions (views of the live pools, not copies: a `write` is
+visible in them at once).
+
+Every pool is indexed `[num_blocks, block_size, Hkv, W]` (a strided view where the
+store keeps another order; kernels must read `stride()`, never assume contiguity). A
+value of head dim `d` is decoded as
+
+- `encoding == "float"`: `values[..., d]` as stored (fp16/bf16/fp32, `bits` 16 or 32);
+- `encoding == "int"`: symmetric integer codes times `scales[..., d // group]` (fp16).
+  `bits == 8`: int8 codes, `W = D`. `bits == 4`: unsigned nibbles stored `code + 8`, two
+  per byte, value `2i` in the low nibble of byte `i` and `2i + 1` in the high one,
+  `W = D / 2`;
+- `encoding == "fp8_e4m3"`: float8 e4m3 bit patterns in uint8, times the group scale.
+
+With `rotation` set (rk8v4), both pools hold `x·H`: a kernel rotates the query by H
+(`qH·kH = q·k`) and its output by Hᵀ, instead of un-rotating every cached token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from ninfer_core.kv.hadamard import HeadRotation
+
+Encoding = Literal["float", "int", "fp8_e4m3"]
+
+
+@dataclass(frozen=True, slots=True)
+class PagePool:
+    """One layer's K (or V) pool, as stored."""
+
+    #: [num_blocks, block_size, Hkv, W]: the values (float) or codes (int, fp8).
+    values: torch.Tensor
+    #: [num_blocks, block_size, Hkv, D / group] fp16, or None for `encoding == "float"`.
+    scales: torch.Tensor | None
+    encoding: Encoding
+    #: Bits per stored value: 16 or 32 (float), 8 (int8, fp8), 4 (int4, two per byte).
+    bits: int
+    #: Head-dim values sharing one scale (the head dim itself for unscaled float pools).
+    group: int
+
+    def __post_init__(self) -> None:
+        if (self.scales is None) != (self.encoding == "float"):
+            raise ValueError(f"a {self.encoding} pool needs scales exactly when it is coded")
+        if self.values.dim() != 4:
+            raise ValueError(f"pages must be [NB, BS, Hkv, W], got {tuple(self.values.shape)}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVPages:
+    """K and V pools of one layer, and the rotation they are stored in (or None)."""
+
+    k: PagePool
+    v: PagePool
+    head_dim: int
+    rotation: HeadRotation | None = None
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.values.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k.values.shape[2])
