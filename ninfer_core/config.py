@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DType = Literal["auto", "fp32", "bf16", "fp16"]
+#: `auto`: activations in the compute dtype; `int8`: see `ninfer_core.kernels.int8_act`.
+ActivationDType = Literal["auto", "int8"]
 
 
 def opt(default, help: str, **extra):
@@ -22,6 +24,12 @@ class RuntimeConfig:
     """How the model runs: precision, kernels, KV cache."""
 
     dtype: DType = opt("auto", "compute dtype; auto: bf16 on CPU, fp16 on CUDA")
+    activation_dtype: ActivationDType = opt(
+        "auto",
+        "prefill linears over quantized weights quantize activations per token to int8 "
+        "(W8A8/W4A8, integer MMA on GPUs; on the CPU an emulation, slower); decode keeps "
+        "the compute dtype; auto: the compute dtype everywhere",
+    )
     kv_dtype: str = opt("auto", "KV cache codec (see `ninfer probe`); auto: the compute dtype")
     gemm_backend: str = opt(
         "auto", "kernel backend for the ops it provides (see `ninfer probe`); auto: per op"

@@ -25,6 +25,7 @@ from ninfer_core.kernels.compose import (
     composed_choices,
     plan_kernels,
 )
+from ninfer_core.kernels.int8_act import activation_dtype_name
 from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.model.config import ModelConfig
@@ -147,9 +148,14 @@ def load_model(
     # only), the codec `--kv-dtype` names (resolved as the engine resolves `auto`) and
     # the compute dtype. A runtime later built over another codec is checked against
     # this choice (`compose.check_kv_codec`).
-    workload = workload_for(artifact, dtype, kv_codec_name(runtime.kv_dtype, dtype))
+    # `--activation-dtype int8` is part of the workload: a linear backend that can't run
+    # it refuses here, and the ops chosen read it at call time.
+    activations = activation_dtype_name(runtime.activation_dtype)
+    kv = kv_codec_name(runtime.kv_dtype, dtype)
+    workload = workload_for(artifact, dtype, kv, activations)
     kernels = plan_kernels(host, device, runtime.gemm_backend, runtime.kernel, workload=workload)
-    ops = compose_ops(host, device, kernels)  # checked against the KernelOps contract
+    # checked against the KernelOps contract
+    ops = compose_ops(host, device, kernels, workload=workload)
     kernels = composed_choices(ops, kernels)  # an op the backend's ops lack: the reference
     model = family.build(config, ops, dtype)
     conformance.check(model, CausalLM, f"the model built by family {family.name!r}")

@@ -592,7 +592,15 @@ class KernelBackend(Plugin, Protocol):
 
     def create_ops(self, device: DeviceInfo) -> KernelOps:
         """The ops object the host takes each op this backend serves from. A backend
-        that provides only some ops needs only their members (see `provides`)."""
+        that provides only some ops needs only their members (see `provides`).
+
+        A `create_ops` that also takes a keyword `workload` (`create_ops(device, *,
+        workload=None)`) is passed the `KernelWorkload` the ops were chosen for, by name
+        (`selection.call_accepting`, as for `provides`): ops whose kernels depend on the
+        run read it at call time (`workload.activation_dtype == "int8"`: prefill linears
+        over quantized weights in W8A8/W4A8). One that does not take it keeps working,
+        but is refused `linear` for a run with int8 activations, which it could not see.
+        """
         ...
 
     #: None: every op, wherever `supports` says yes. Otherwise the ops it provides, each

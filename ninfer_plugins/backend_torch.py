@@ -5,6 +5,8 @@ The names below are re-exported for code that imported them from here."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ninfer_core import hookimpl
@@ -21,6 +23,9 @@ from ninfer_core.kernels.reference import (  # noqa: F401  (re-exported)
 )
 from ninfer_core.support import Support
 
+if TYPE_CHECKING:
+    from ninfer_core.kernels.workload import KernelWorkload
+
 
 class TorchBackend:
     name = "torch"
@@ -31,9 +36,11 @@ class TorchBackend:
     def supports(self, device: DeviceInfo) -> Support:
         return Support.yes("runs wherever torch runs")
 
-    def create_ops(self, device: DeviceInfo | torch.device | str) -> TorchOps:
+    def create_ops(
+        self, device: DeviceInfo | torch.device | str, *, workload: KernelWorkload | None = None
+    ) -> TorchOps:
         where = device.torch_device if isinstance(device, DeviceInfo) else device
-        return TorchOps(where)
+        return TorchOps(where, workload)
 
 
 @hookimpl

@@ -25,34 +25,58 @@ def _names(requirements: list[str]) -> set[str]:
     }
 
 
-def _runtime_imports() -> set[str]:
-    """Top-level modules that ninfer_core/ and ninfer_plugins/ import at module level, plus numpy
-    wherever a tensor is turned into an array (torch needs numpy for `.numpy()`)."""
-    found: set[str] = set()
+def _runtime_imports() -> dict[str, set[Path]]:
+    """Top-level modules that ninfer_core/ and ninfer_plugins/ import at module level (with
+    the files that do), plus numpy wherever a tensor is turned into an array (torch needs
+    numpy for `.numpy()`)."""
+    found: dict[str, set[Path]] = {}
     for path in [
         *ROOT.joinpath("ninfer_core").rglob("*.py"),
         *ROOT.joinpath("ninfer_plugins").rglob("*.py"),
     ]:
         source = path.read_text()
         tree = ast.parse(source)
+        names: set[str] = set()
         for node in tree.body:  # module level only: lazy imports belong to extras
             if isinstance(node, ast.Import):
-                found.update(alias.name.split(".")[0] for alias in node.names)
+                names.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
+                names.add(node.module.split(".")[0])
         if ".numpy()" in source:
-            found.add("numpy")
-    return found - set(sys.stdlib_module_names) - {"ninfer_core", "ninfer_plugins", "__future__"}
+            names.add("numpy")
+        for name in names:
+            found.setdefault(name, set()).add(path)
+    skip = set(sys.stdlib_module_names) | {"ninfer_core", "ninfer_plugins", "__future__"}
+    return {name: files for name, files in found.items() if name not in skip}
+
+
+def _entry_point_files() -> set[Path]:
+    """The files the host imports when it loads the built-in plugins."""
+    out = set()
+    for target in PYPROJECT["project"]["entry-points"]["ninfer"].values():
+        module = ROOT.joinpath(*target.split(":")[0].split("."))
+        out.add(module / "__init__.py" if module.is_dir() else module.with_suffix(".py"))
+    return out
 
 
 def test_every_runtime_import_is_a_declared_dependency():
+    """A module-level import is a declared dependency, or an optional extra's package
+    imported only by modules that loading a plugin does not import (a kernel module that
+    `create_ops` loads; tests/test_probe.py checks that probing imports none of them)."""
     declared = _names(PYPROJECT["project"]["dependencies"])
+    extras = _names(
+        [r for reqs in PYPROJECT["project"]["optional-dependencies"].values() for r in reqs]
+    )
     dists = importlib.metadata.packages_distributions()
+    entry_points = _entry_point_files()
     missing = set()
-    for module in _runtime_imports():
+    for module, files in _runtime_imports().items():
         names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
-        if not names & declared:
-            missing.add(module)
+        if names & declared:
+            continue
+        if names & extras and not files & entry_points:
+            continue
+        missing.add(module)
     assert not missing, f"imported at run time but not in [project.dependencies]: {missing}"
 
 

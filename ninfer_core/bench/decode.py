@@ -70,6 +70,11 @@ class DecodeBenchConfig(TimedRunConfig):
     compile_decode: bool = opt(
         False, "NInfer decodes through its compiled step (compiled in the warm-up run)"
     )
+    activation_dtype: Literal["auto", "int8"] = opt(
+        "auto",
+        "NInfer's prefill linears over quantized weights: int8 activations (W8A8/W4A8; "
+        "a quantized model only); auto: the compute dtype",
+    )
 
     def dtype_list(self) -> list[str]:
         names = [d.strip() for d in self.dtypes.split(",") if d.strip()]
@@ -124,12 +129,14 @@ def run_ninfer(
     *,
     breakdown: bool = False,
     compile_decode: bool = False,
+    activation_dtype: str = "auto",
 ) -> EngineRun:
     """NInfer's figures: the request through the engine as `ninfer generate` runs it. With
     `breakdown`, one more request after the timed runs, on the same engine, is profiled
     (`step_profile.profile_decode`) into `EngineRun.breakdown`. With `compile_decode`, the
     warm-up generation compiles the decode step (`engine/compiled_step.py`), and
-    `EngineRun.compiled` says whether the timed runs used it."""
+    `EngineRun.compiled` says whether the timed runs used it. `activation_dtype` is
+    `--activation-dtype` (int8: prefill linears over quantized weights in W8A8/W4A8)."""
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
     from ninfer_core.engine.request import GenerationRequest
@@ -140,7 +147,8 @@ def run_ninfer(
 
     host, device = create_host(), probe_device()
     runtime = RuntimeConfig(dtype=dtype, max_context=max(4096, len(prompt) + new + 1),
-                            compile_decode=compile_decode)  # fmt: skip
+                            compile_decode=compile_decode,
+                            activation_dtype=activation_dtype)  # fmt: skip
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
     kernel_ops = [c.to_json() for c in loaded.kernels]
@@ -245,7 +253,8 @@ def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
         if file_bytes is not None:
             need = DecodeBytes(weights=file_bytes, kv=need.kv)
         ours = run_ninfer(path, dtype, prompt, cfg.new, cfg.repeats, breakdown=cfg.breakdown,
-                          compile_decode=cfg.compile_decode)  # fmt: skip
+                          compile_decode=cfg.compile_decode,
+                          activation_dtype=cfg.activation_dtype)  # fmt: skip
         gc.collect()  # one engine at a time: NInfer's is gone before the peer loads
         ref: EngineRun | None = None
         if peer == "transformers":

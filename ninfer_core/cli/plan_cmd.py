@@ -19,6 +19,7 @@ from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.errors import NInferError
+from ninfer_core.kernels.int8_act import activation_dtype_name
 from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.memory.planner import (
     MemoryConfig,
@@ -81,15 +82,17 @@ def _packed_bytes(
     from ninfer_core.kernels.compose import plan_kernels
     from ninfer_core.kernels.reference import TorchOps
     from ninfer_core.quant.formats import weight_format
+    from ninfer_core.selection import call_accepting
 
     if device.cuda is not None:
         return None
     choices = plan_kernels(host, device, backend, kernel, workload=workload)
     [linear] = [c for c in choices if c.op == "linear"]
     if linear.backend in host.kernel_backends:
-        ops = host.kernel_backends.get(linear.backend).create_ops(device)
+        make = host.kernel_backends.get(linear.backend).create_ops
+        ops = call_accepting(make, device, workload=workload)  # as compose_ops makes them
     else:  # the core's reference, with no `torch` backend registered
-        ops = TorchOps(device.torch_device)
+        ops = TorchOps(device.torch_device, workload)
     sizer = getattr(ops, "packed_nbytes", None)  # optional; a partial backend may omit it
     if sizer is not None:
         return lambda fmt, shape: sizer(fmt, shape, dtype=dtype)
@@ -180,7 +183,8 @@ def make_plan(
     family, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
     # The linear kernel the load would choose for these weights (formats from the headers).
-    workload = workload_for(artifact, dtype, codec_name)
+    activations = activation_dtype_name(runtime.activation_dtype)
+    workload = workload_for(artifact, dtype, codec_name, activations)
     packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel, workload)
     strategy, draft = _draft_memory(
         host, device, spec, artifact, config, dtype, codec, packed, family

@@ -39,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "bf16", "fp16", "fp32"],
         help="compute dtype, as ninfer-serve would be given (the kernels are chosen for it)",
     )
+    p.add_argument(
+        "--activation-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="prefill activations, as ninfer-serve would be given (int8: W8A8/W4A8 linears)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
@@ -94,15 +100,17 @@ def run(ns: argparse.Namespace) -> int:
 def _workload(host: PluginHost, device: DeviceInfo, ns: argparse.Namespace) -> KernelWorkload:
     """What the kernels are chosen for: with a model, its weight formats (headers only),
     else only the KV codec and the compute dtype the options name."""
+    from ninfer_core.kernels.int8_act import activation_dtype_name
     from ninfer_core.kernels.workload import workload_for
     from ninfer_core.kv import kv_codec_name
     from ninfer_core.loading import compute_dtype, open_artifact
 
     dtype = compute_dtype(ns.dtype, device)
     kv = kv_codec_name(ns.kv_dtype, dtype)
+    activations = activation_dtype_name(ns.activation_dtype)
     if ns.model:
-        return workload_for(open_artifact(host, ns.model), dtype, kv)
-    return KernelWorkload(None, kv, dtype)
+        return workload_for(open_artifact(host, ns.model), dtype, kv, activations)
+    return KernelWorkload(None, kv, dtype, activations)
 
 
 def _kv_bytes_per_token(host, model: str) -> dict[str, int]:

@@ -10,10 +10,13 @@ breaks ties), and finally the core's reference (`reference.TorchOps`). Each choi
 keeps its reason and the higher-ranked backends it passed over with theirs
 (`OpChoice`); `ninfer probe`, `ninfer-serve`'s startup and every bench print them.
 
-The workload reaches `provides(device, *, workload=None)` (and `supports`) by name,
-and only when the method's signature takes it (`selection.call_accepting`): a backend
-written when `provides` took the device alone keeps working, as a pluggy hook
-implementation that takes a subset of the spec's arguments does.
+The workload reaches `provides(device, *, workload=None)` (and `supports`, and
+`create_ops`) by name, and only when the method's signature takes it
+(`selection.call_accepting`): a backend written when `provides` took the device alone
+keeps working, as a pluggy hook implementation that takes a subset of the spec's
+arguments does. A run with int8 activations (`workload.activation_dtype`) needs the ops
+to know it at call time: a backend whose `create_ops` takes no `workload` is refused
+`linear` for it, with that reason.
 
 A backend that claims every op but whose ops object predates one the contract grew
 later (`LATER_OPS`: the Gated DeltaNet ops) is not refused: that op comes from the
@@ -33,7 +36,14 @@ from ninfer_core import conformance
 from ninfer_core.errors import UnknownNameError, UnsupportedChoiceError
 from ninfer_core.kernels.workload import KernelWorkload
 from ninfer_core.plugin_types import KernelOps
-from ninfer_core.selection import PointReport, ask_supports, call_accepting, choose, device_name
+from ninfer_core.selection import (
+    PointReport,
+    accepts_keyword,
+    ask_supports,
+    call_accepting,
+    choose,
+    device_name,
+)
 from ninfer_core.support import Support
 
 if TYPE_CHECKING:
@@ -129,7 +139,7 @@ def _provided(obj: Any, device: DeviceInfo, workload: KernelWorkload) -> dict[st
     if not support.ok:
         return dict.fromkeys(OPS, support)
     if obj.provides is None:  # optional in the KernelBackend contract: every op
-        return dict.fromkeys(OPS, support)
+        return _activation_check(obj, workload, dict.fromkeys(OPS, support))
     try:
         # `workload` only to a `provides` that takes it: the contract grew it later.
         answer = call_accepting(obj.provides, device, workload=workload)
@@ -137,11 +147,35 @@ def _provided(obj: Any, device: DeviceInfo, workload: KernelWorkload) -> dict[st
         return dict.fromkeys(OPS, Support.no(f"provides() raised {type(exc).__name__}: {exc}"))
     if not isinstance(answer, dict):
         return dict.fromkeys(OPS, Support.no(f"provides() returned {answer!r}, not a dict"))
-    return {
-        op: (s if isinstance(s, Support) else Support.no(f"provides() gave {s!r}, not a Support"))
-        for op, s in answer.items()
-        if op in OPS
-    }
+    return _activation_check(
+        obj,
+        workload,
+        {
+            op: (
+                s if isinstance(s, Support) else Support.no(f"provides() gave {s!r}, not a Support")
+            )
+            for op, s in answer.items()
+            if op in OPS
+        },
+    )
+
+
+def _activation_check(
+    obj: Any, workload: KernelWorkload, provided: dict[str, Support]
+) -> dict[str, Support]:
+    """`provided`, with `linear` refused when the run wants activations other than the
+    compute dtype (`--activation-dtype int8`) and the backend's `create_ops` takes no
+    `workload`: its ops would never learn of it and would run float activations."""
+    linear = provided.get("linear")
+    if workload.activation_dtype is None or linear is None or not linear.ok:
+        return provided
+    if accepts_keyword(obj.create_ops, "workload"):
+        return provided
+    why = (
+        f"its create_ops takes no workload, so its linear cannot run "
+        f"{workload.activation_dtype} activations"
+    )
+    return {**provided, "linear": Support.no(why)}
 
 
 def plan_kernels(
@@ -273,15 +307,20 @@ def _member_problems(ops: Any, members: tuple[str, ...]) -> list[str]:
 
 
 def compose_ops(
-    host: PluginHost, device: DeviceInfo | torch.device | str, choices: list[OpChoice]
+    host: PluginHost,
+    device: DeviceInfo | torch.device | str,
+    choices: list[OpChoice],
+    *,
+    workload: KernelWorkload | None = None,
 ) -> KernelOps:
-    """The ops object the model holds: each op's members from its chosen backend."""
+    """The ops object the model holds: each op's members from its chosen backend, each
+    backend's ops made for `workload` (the one `plan_kernels` chose them for)."""
     made: dict[str, Any] = {}
     for backend in dict.fromkeys(c.backend for c in choices):
-        made[backend] = _create_ops(host, device, backend)
+        made[backend] = _create_ops(host, device, backend, workload)
     choices = _reference_for_later_ops(choices, made)
     if REFERENCE in {c.backend for c in choices} and REFERENCE not in made:
-        made[REFERENCE] = _create_ops(host, device, REFERENCE)
+        made[REFERENCE] = _create_ops(host, device, REFERENCE, workload)
     made = {b: made[b] for b in dict.fromkeys(c.backend for c in choices)}
     if len(made) == 1:
         [(backend, ops)] = made.items()
@@ -299,14 +338,18 @@ def compose_ops(
     return composed
 
 
-def _create_ops(host: PluginHost, device: Any, backend: str) -> Any:
+def _create_ops(
+    host: PluginHost, device: Any, backend: str, workload: KernelWorkload | None = None
+) -> Any:
     """The ops object of `backend`, or the core's reference when no `torch` backend is
-    registered."""
+    registered. `workload` goes, by name, to a `create_ops` that takes it (ops whose
+    kernels depend on the run, e.g. `--activation-dtype int8`, read it at call time)."""
     from ninfer_core.kernels.reference import TorchOps
 
     if backend in host.kernel_backends:
-        return host.kernel_backends.get(backend).create_ops(device)
-    return TorchOps(getattr(device, "torch_device", device))
+        make = host.kernel_backends.get(backend).create_ops
+        return call_accepting(make, device, workload=workload)
+    return TorchOps(getattr(device, "torch_device", device), workload)
 
 
 def _reference_for_later_ops(choices: list[OpChoice], made: dict[str, Any]) -> list[OpChoice]:

@@ -25,15 +25,19 @@ each weight); see `tests/test_quant_model.py` for the measured bound.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ninfer_core.kernels import delta_rule
+from ninfer_core.kernels import delta_rule, int8_act
 from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
 from ninfer_core.quant.tensor import QuantizedTensor
+
+if TYPE_CHECKING:
+    from ninfer_core.kernels.workload import KernelWorkload
 
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _INT4_CPU = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
@@ -46,8 +50,15 @@ _INT4_GROUPS = (32, 64, 128, 256)
 class TorchOps(KernelOps):
     name = "torch"
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", workload: KernelWorkload | None = None
+    ) -> None:
         super().__init__(device)
+        #: What will run (None where the host did not say). With int8 activations
+        #: (`int8_act`), quantized weights stay `QuantizedTensor`s (the int8 path reads
+        #: their codes) and prefill rows take `int8_act.int8_linear`.
+        self.workload = workload
+        self._int8_acts = workload is not None and workload.activation_dtype == "int8"
         #: `apply_rope`'s full-width cos and signed sin, derived from the step's cos/sin
         #: by the first layer and reused by the rest (the step's tensors are the key).
         self._rope_tables: tuple[torch.Tensor, ...] = ()
@@ -56,6 +67,8 @@ class TorchOps(KernelOps):
         if isinstance(w, Int4Linear):
             return w(x, b)
         if isinstance(w, QuantizedTensor):
+            if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
+                return int8_act.int8_linear(x, w, b)  # W8A8 / W4A8 prefill
             return w.linear(x, b)
         if w.layout == torch._mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
@@ -72,8 +85,12 @@ class TorchOps(KernelOps):
         otherwise dequantize it again on every step): `dtype.itemsize` bytes a weight
         instead of about half a byte, which `packed_nbytes` tells `ninfer plan`. Elsewhere
         (a CUDA device, until a GPU kernel reads the codes) it stays as it is and
-        `linear` runs the reference path."""
+        `linear` runs the reference path. With int8 activations it stays as it is
+        everywhere: prefill multiplies its codes (`int8_act`), decode dequantizes row
+        chunks (`QuantizedTensor.linear`), the same numbers as the dense matrix."""
         if isinstance(w, QuantizedTensor):
+            if self._int8_acts:
+                return w
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             if self._dequantizes_once(dtype):
@@ -98,6 +115,8 @@ class TorchOps(KernelOps):
         alone, so `ninfer plan` sizes a quantized model without reading a weight."""
         fmt = weight_format(fmt_name)
         if fmt.quantized:
+            if self._int8_acts:
+                return None  # kept as loaded
             if int4_format_supported(fmt, self.device, dtype):
                 return Int4Linear.nbytes_for(fmt, shape)
             if self._dequantizes_once(dtype):

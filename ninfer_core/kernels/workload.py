@@ -37,6 +37,11 @@ class KernelWorkload:
     kv_codec: str | None = None
     #: The dtype of activations (and of dense weights).
     compute_dtype: torch.dtype | None = None
+    #: `--activation-dtype`: `int8` when prefill linears over quantized weights quantize
+    #: their activations per token to int8 and multiply in integers (W8A8 / W4A8,
+    #: `ninfer_core.kernels.int8_act`); None: activations stay in the compute dtype. A
+    #: backend that serves `linear` and cannot do it refuses `linear` in `provides`.
+    activation_dtype: str | None = None
 
     @property
     def quantized_formats(self) -> frozenset[str]:
@@ -44,17 +49,24 @@ class KernelWorkload:
         return frozenset(f for f in self.weight_formats or () if not _is_dense(f))
 
     def describe(self) -> str:
-        """`weights bf16+Q4G64, KV rk8v4, compute bf16`; `?` for what is not known."""
+        """`weights bf16+Q4G64, KV rk8v4, compute bf16` (`, activations int8` when set);
+        `?` for what is not known."""
         formats = "+".join(sorted(self.weight_formats)) if self.weight_formats else "?"
         dtype = dtype_name(self.compute_dtype) if self.compute_dtype is not None else "?"
-        return f"weights {formats}, KV {self.kv_codec or '?'}, compute {dtype}"
+        text = f"weights {formats}, KV {self.kv_codec or '?'}, compute {dtype}"
+        return f"{text}, activations {self.activation_dtype}" if self.activation_dtype else text
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """Plain data; `activation_dtype` only when set (a run in the compute dtype
+        reports what it did before the field existed)."""
+        out: dict[str, Any] = {
             "weight_formats": sorted(self.weight_formats) if self.weight_formats else None,
             "kv_codec": self.kv_codec,
             "compute_dtype": dtype_name(self.compute_dtype) if self.compute_dtype else None,
         }
+        if self.activation_dtype is not None:
+            out["activation_dtype"] = self.activation_dtype
+        return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,13 +84,18 @@ def _is_dense(fmt: str) -> bool:
 
 
 def workload_for(
-    artifact: Artifact, compute_dtype: torch.dtype, kv_codec: str | None
+    artifact: Artifact,
+    compute_dtype: torch.dtype,
+    kv_codec: str | None,
+    activation_dtype: str | None = None,
 ) -> KernelWorkload:
-    """The workload of `artifact` run in `compute_dtype` over `kv_codec`'s pages.
+    """The workload of `artifact` run in `compute_dtype` over `kv_codec`'s pages, with
+    `activation_dtype` (`int8`, or None: the compute dtype) for prefill linears.
 
     Formats come from the artifact's `tensor_format` (headers only); a dense tensor,
     or every tensor of an artifact that names no formats, counts as the compute dtype
-    it is cast to on loading.
+    it is cast to on loading. Int8 activations multiply quantized weights only: a
+    model without any is refused here, with the reason, rather than run unchanged.
     """
     dense = dtype_name(compute_dtype)
     formats = {dense}
@@ -87,4 +104,14 @@ def workload_for(
         for name in artifact.tensor_names():
             fmt = fmt_of(name) or dense
             formats.add(dense if _is_dense(fmt) else fmt)
-    return KernelWorkload(frozenset(formats), kv_codec, compute_dtype)
+    workload = KernelWorkload(frozenset(formats), kv_codec, compute_dtype, activation_dtype)
+    if activation_dtype is not None and not workload.quantized_formats:
+        from ninfer_core.errors import UnsupportedChoiceError
+
+        raise UnsupportedChoiceError(
+            f"--activation-dtype {activation_dtype}: int8 activations multiply quantized "
+            f"weights (W8A8/W4A8), and {artifact.path} has none (every weight runs as {dense}); "
+            "alternatives: --activation-dtype auto, or a quantized model (ninfer convert "
+            "--recipe w8 or q4, or a Q8_0/Q4_0 GGUF)"
+        )
+    return workload
