@@ -21,6 +21,7 @@ The attention is the reference's math (`_decode_rows`): fp32 scores, softmax and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,15 +76,11 @@ def dense_decode_graph(
     context: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`CausalLM.decode_graph` of a `DenseDecoder`: the same layers as its `forward`."""
-    cos, sin = model.rotary(positions, model.dtype)
-    x = model.embed(input_ids)
-    keys, values = [], []
-    for layer in model.layers:
-        out, k, v = _layer_attention(
-            layer.self_attn, layer.input_layernorm(x), cos, sin, kv_store, block_table, context
-        )
-        keys.append(k)
-        values.append(v)
-        x = layer.mlp_block(x + out)
-    logits = model.compute_logits(model.norm(x))
-    return logits, torch.stack(keys), torch.stack(values)
+
+    def attend(attn: Attention, x: torch.Tensor, cos, sin):
+        q, k, v = attn.project(x, cos, sin)  # [B, H, D], [B, Hkv, D]
+        k_old, v_old = kv_store.gather_heads(attn.layer, block_table)  # [B, Hkv, P * BS, D]
+        return attn.output(attend_with_new(q, k_old, v_old, k, v, attn.scale, context)), k, v
+
+    hidden, keys, values = run_layers(model, input_ids, positions, attend)
+    return model.compute_logits(hidden), keys, values

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ninfer_core.model.decode_graph import attend_with_new
+from ninfer_core.model.decode_graph import attend_with_new, run_layers
 
 if TYPE_CHECKING:
     from ninfer_core.model.dense import DenseDecoder
@@ -60,26 +60,6 @@ def with_earlier_rows(
     return out.reshape(b * width, hkv, length, d)
 
 
-def _layer_attention(
-    attn: Attention,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_store,
-    table: torch.Tensor,
-    context: torch.Tensor,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = attn.project(x, cos, sin)  # [R, H, D], [R, Hkv, D]
-    k_old, v_old = kv_store.gather_heads(attn.layer, table)  # [B, Hkv, P * BS, D]
-    k_rows = with_earlier_rows(k_old, k, context, width)
-    v_rows = with_earlier_rows(v_old, v, context, width)
-    steps = torch.arange(width, device=context.device)
-    row_context = (context[:, None] + steps[None, :]).reshape(-1)  # [R]: each row's own
-    out = attend_with_new(q, k_rows, v_rows, k, v, attn.scale, row_context)
-    return attn.output(out), k, v
-
-
 def dense_verify_graph(
     model: DenseDecoder,
     input_ids: torch.Tensor,
@@ -93,16 +73,16 @@ def dense_verify_graph(
     (sequence-major), block_table [B, P], context [B] (row 0's) -> logits [B * width,
     vocab] fp32, final hidden states [B * width, hidden], and K, V [layers, B * width,
     Hkv, D] for the caller to store."""
-    cos, sin = model.rotary(positions, model.dtype)
-    x = model.embed(input_ids)
-    keys, values = [], []
-    for layer in model.layers:
-        out, k, v = _layer_attention(
-            layer.self_attn, layer.input_layernorm(x), cos, sin, kv_store, block_table,
-            context, width,
-        )  # fmt: skip
-        keys.append(k)
-        values.append(v)
-        x = layer.mlp_block(x + out)
-    hidden = model.norm(x)
-    return model.compute_logits(hidden), hidden, torch.stack(keys), torch.stack(values)
+    steps = torch.arange(width, device=context.device)
+    row_context = (context[:, None] + steps[None, :]).reshape(-1)  # [R]: each row's own
+
+    def attend(attn: Attention, x: torch.Tensor, cos, sin):
+        q, k, v = attn.project(x, cos, sin)  # [R, H, D], [R, Hkv, D]
+        k_old, v_old = kv_store.gather_heads(attn.layer, block_table)  # [B, Hkv, P * BS, D]
+        k_rows = with_earlier_rows(k_old, k, context, width)
+        v_rows = with_earlier_rows(v_old, v, context, width)
+        out = attend_with_new(q, k_rows, v_rows, k, v, attn.scale, row_context)
+        return attn.output(out), k, v
+
+    hidden, keys, values = run_layers(model, input_ids, positions, attend)
+    return model.compute_logits(hidden), hidden, keys, values

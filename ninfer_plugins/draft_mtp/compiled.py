@@ -137,9 +137,9 @@ def draft_refusal(layer: torch.nn.Module, store) -> str | None:
     ] + [name for name, p in layer.named_parameters() if _opaque(p) and name != "fc"]
     if opaque:
         return f"{', '.join(opaque)} in oneDNN's packed layout, which the compiler cannot read"
-    if getattr(store, "write_layers", None) is None or getattr(store, "gather_heads", None) is None:
+    if store.write_layers is None or store.gather_heads is None:  # optional KVStore members
         return "the drafter's KV store has no write_layers / gather_heads"
-    if getattr(store, "rotation", None) is not None:
+    if store.rotation is not None:
         return "the drafter's KV store keeps K and V rotated"
     return None
 
