@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ninfer_core.engine.compiled_step import CompiledDecode, failure_reason
+from ninfer_core.engine.compiled_step import (
+    CompiledDecode,
+    failure_reason,
+    own_code,
+    trusted_guards,
+)
 from ninfer_core.model.ops import decode_length
 
 if TYPE_CHECKING:
@@ -63,8 +68,11 @@ class CompiledVerify:
         dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.RECOMPILE_LIMIT)
         # As the decode step's: the batch size and width static, the page count dynamic.
         self._fn = torch.compile(
-            model.verify_graph, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}
-        )
+            own_code(model.verify_graph), fullgraph=True, dynamic=False,
+            options={"cpp_wrapper": True},
+        )  # fmt: skip
+        #: Batch sizes whose graph has run: their calls skip the guard checks.
+        self._ready: set[int] = set()
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Rounds the compiled function ran.
@@ -113,9 +121,10 @@ class CompiledVerify:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the compiler's notes (compiled_step.py)
-                logits, hidden, k, v = self._fn(
-                    input_ids[index], positions[index], self.kv_store, table, context, w
-                )
+                with trusted_guards(len(batch) in self._ready):
+                    logits, hidden, k, v = self._fn(
+                        input_ids[index], positions[index], self.kv_store, table, context, w
+                    )
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled verify step failed, verifying eagerly from now on: %s",
@@ -126,4 +135,5 @@ class CompiledVerify:
             logits, hidden, k, v = logits[keep], hidden[keep], k[:, keep], v[:, keep]
         self.kv_store.write_layers(meta.slot_mapping, k, v)
         self.steps += 1
+        self._ready.add(len(batch))
         return logits, hidden

@@ -16,7 +16,8 @@ capturable:
 - No host reads and no branches on values; the kernel ops (`linear`, `rms_norm`,
   `apply_rope`, `silu_and_mul`) are the same the eager forward calls.
 
-The attention is the reference's math (`_decode_rows`): fp32 scores, softmax and sum.
+The attention is the reference's math (`_decode_rows`): fp32 scores, softmax and sum,
+written as elementwise products and sums that the compiler fuses with the page gather.
 """
 
 from __future__ import annotations
@@ -49,22 +50,40 @@ def attend_with_new(
     b, hkv, length, d = k_old.shape
     qg = q.reshape(b, hkv, -1, d).float()  # [B, Hkv, G, D]
     kn, vn = k_new.float()[:, :, None, :], v_new.float()[:, :, None, :]  # [B, Hkv, 1, D]
-    old = torch.matmul(qg, k_old.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+    # Products and sums, not matmuls: the compiler fuses the page gather, the widening
+    # to fp32 and the dot products into one pass over the cached keys (and one over the
+    # values), where a matmul needs the gathered K/V widened into fp32 copies first
+    # (twice the bytes of the bf16 pages, written then read again).
+    old = (qg[:, :, :, None, :] * k_old[:, :, None, :, :].float()).sum(-1) * scale  # [B,Hkv,G,L]
     stale = torch.arange(length, device=q.device) >= (context - 1)[:, None]  # [B, L]
     old = old.masked_fill(stale[:, None, None, :], float("-inf"))
     own = (qg * kn).sum(-1, keepdim=True) * scale  # [B, Hkv, G, 1]
     probs = torch.cat((old, own), dim=-1).softmax(dim=-1)
-    out = torch.matmul(probs[..., :length], v_old.float()) + probs[..., length:] * vn
+    mixed = (probs[..., :length, None] * v_old[:, :, None, :, :].float()).sum(-2)
+    out = mixed + probs[..., length:] * vn  # [B, Hkv, G, D]
     return out.reshape(q.shape).to(q.dtype)
 
 
-def _layer_attention(
-    attn: Attention, x: torch.Tensor, cos, sin, kv_store, table: torch.Tensor, context
+#: A layer's attention inside a graph: (the layer's `Attention`, its normed input, cos,
+#: sin) -> (its output projected back, this step's K, V).
+LayerAttention = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def run_layers(
+    model: DenseDecoder, input_ids: torch.Tensor, positions: torch.Tensor, attend: LayerAttention
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = attn.project(x, cos, sin)  # [B, H, D], [B, Hkv, D]
-    k_old, v_old = kv_store.gather_heads(attn.layer, table)  # [B, Hkv, P * BS, D]
-    out = attend_with_new(q, k_old, v_old, k, v, attn.scale, context)
-    return attn.output(out), k, v
+    """The decoder's layers over one graph's rows, with `attend` as each layer's attention
+    (the decode step's and the verifying forward's differ only there) -> final hidden
+    states (normed) [R, hidden] and every layer's new K, V [layers, R, Hkv, D]."""
+    cos, sin = model.rotary(positions, model.dtype)
+    x = model.embed(input_ids)
+    keys, values = [], []
+    for layer in model.layers:
+        out, k, v = attend(layer.self_attn, layer.input_layernorm(x), cos, sin)
+        keys.append(k)
+        values.append(v)
+        x = layer.mlp_block(x + out)
+    return model.norm(x), torch.stack(keys), torch.stack(values)
 
 
 def dense_decode_graph(
