@@ -78,26 +78,13 @@ class CompiledDecode:
     MIN_PAGES = 2
     #: Batch sizes compiled at most.
     MAX_BATCH = 8
-    #: Graphs the tracer may keep for `decode_graph`. Its limit counts graphs per code
-    #: object, so every model of a process (each its own guards) and every batch size
-    #: add up; its default, 8, is raised to this.
-    RECOMPILE_LIMIT = 64
 
     def __init__(
         self, model: torch.nn.Module, kv_store, block_size: int, max_batch: int = 1
     ) -> None:
         self.kv_store, self.block_size = kv_store, block_size
         self.max_batch = max(1, min(max_batch, self.MAX_BATCH))
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, self.RECOMPILE_LIMIT)
-        # dynamic=False: the batch size is static in each graph; the page count is the
-        # one dynamic size (marked per call). The C++ wrapper calls the kernels from C++
-        # instead of a Python function: 9% faster decode (SmolLM2, 2 threads: 97 and 94
-        # against 88 and 87 tok/s) for about twice the compile time.
-        self._fn = torch.compile(
-            own_code(model.decode_graph), fullgraph=True, dynamic=False,
-            options={"cpp_wrapper": True},
-        )  # fmt: skip
+        self._fn = compile_graph(own_code(model.decode_graph))
         #: Batch sizes whose graph has run: their calls skip the guard checks.
         self._ready: set[int] = set()
         #: Why the compiled step stopped being used, once it failed; None while it works.
@@ -118,22 +105,12 @@ class CompiledDecode:
     ) -> torch.Tensor | None:
         """logits [B, vocab] fp32 for the prepared decode step (its K/V stored), or None
         when the compiled function failed: the caller runs the step eagerly."""
-        bs = self.block_size
-        pages = max(self.MIN_PAGES, *(-(-decode_length(c, bs) // bs) for c in meta.context_lens))
-        rows = meta.block_tables.long()  # [B, max_blocks], padded with page 0
-        if pages <= rows.shape[1]:
-            table = rows[:, :pages]
-        else:
-            table = torch.cat((rows, rows.new_zeros(rows.shape[0], pages - rows.shape[1])), 1)
-        torch._dynamo.maybe_mark_dynamic(table, 1)
+        table = page_table(meta, meta.context_lens, self.block_size)
         context = torch.tensor(meta.context_lens, dtype=torch.int64)
         try:
-            with warnings.catch_warnings():
-                # The compiler's own notes (a fused kernel reading bf16 and fp16, the
-                # deprecations of modules it imports) are not the user's to act on.
-                warnings.simplefilter("ignore")
-                with trusted_guards(len(meta.context_lens) in self._ready):
-                    logits, k, v = self._fn(input_ids, positions, self.kv_store, table, context)
+            ready = len(meta.context_lens) in self._ready
+            logits, k, v = call_graph(self._fn, ready, input_ids, positions, self.kv_store,
+                                      table, context)  # fmt: skip
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled decode step failed, decoding eagerly from now on: %s",
@@ -143,6 +120,48 @@ class CompiledDecode:
         self.steps += 1
         self._ready.add(len(meta.context_lens))
         return logits
+
+
+#: Graphs the tracer may keep per compiled function. Its limit counts graphs per code
+#: object, so every batch size adds one; its default, 8, is raised to this.
+RECOMPILE_LIMIT = 64
+
+
+def compile_graph(fn):
+    """`fn` through `torch.compile` as every captured step is: the whole graph or a
+    failure (`fullgraph`), the batch size static in each graph (`dynamic=False`; the page
+    count is the one dynamic size, marked per call by `page_table`), and the kernels called
+    from C++ instead of a Python function (`cpp_wrapper`): 9% faster decode (SmolLM2, 2
+    threads: 97 and 94 against 88 and 87 tok/s) for about twice the compile time."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
+def call_graph(fn, trusted: bool, *args):
+    """`fn(*args)` with the compiler's own notes silenced (a fused kernel reading bf16 and
+    fp16, the deprecations of modules it imports: not the user's to act on), and its
+    guards trusted when `trusted` (`trusted_guards`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with trusted_guards(trusted):
+            return fn(*args)
+
+
+def page_table(meta: AttentionMetadata, ends: Seq[int], block_size: int) -> torch.Tensor:
+    """The step's page table for a graph: [B, P] int64, P the pages of the longest
+    `decode_length` of the sequences' contexts `ends` (so a graph's attention sums over
+    the key count the eager decode does), at least `CompiledDecode.MIN_PAGES`, padded with
+    page 0; P is marked dynamic, so one graph serves every context."""
+    bs = block_size
+    pages = max(CompiledDecode.MIN_PAGES, *(-(-decode_length(c, bs) // bs) for c in ends))
+    rows = meta.block_tables.long()  # [B, max_blocks], padded with page 0
+    if pages <= rows.shape[1]:
+        table = rows[:, :pages]
+    else:
+        table = torch.cat((rows, rows.new_zeros(rows.shape[0], pages - rows.shape[1])), 1)
+    torch._dynamo.maybe_mark_dynamic(table, 1)
+    return table
 
 
 def own_code(method):

@@ -22,7 +22,6 @@ A failure is logged once and the step is rerun eagerly, as for the decode step.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -30,11 +29,12 @@ import torch
 
 from ninfer_core.engine.compiled_step import (
     CompiledDecode,
+    call_graph,
+    compile_graph,
     failure_reason,
     own_code,
-    trusted_guards,
+    page_table,
 )
-from ninfer_core.model.ops import decode_length
 
 if TYPE_CHECKING:
     from ninfer_core.engine.sequence import Sequence
@@ -64,13 +64,8 @@ class CompiledVerify:
     ) -> None:
         self.kv_store, self.block_size, self.width = kv_store, block_size, width
         self.max_batch = max(1, min(max_batch, CompiledDecode.MAX_BATCH))
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.RECOMPILE_LIMIT)
         # As the decode step's: the batch size and width static, the page count dynamic.
-        self._fn = torch.compile(
-            own_code(model.verify_graph), fullgraph=True, dynamic=False,
-            options={"cpp_wrapper": True},
-        )  # fmt: skip
+        self._fn = compile_graph(own_code(model.verify_graph))
         #: Batch sizes whose graph has run: their calls skip the guard checks.
         self._ready: set[int] = set()
         #: Why it stopped being used, once it failed; None while it works.
@@ -110,21 +105,13 @@ class CompiledVerify:
             start += n
         index = torch.tensor(pad, dtype=torch.int64)
         ends = list(meta.context_lens)  # each sequence's context after its last row
-        pages = max(CompiledDecode.MIN_PAGES, *(-(-decode_length(c, bs) // bs) for c in ends))
-        rows = meta.block_tables.long()
-        if pages <= rows.shape[1]:
-            table = rows[:, :pages]
-        else:
-            table = torch.cat((rows, rows.new_zeros(rows.shape[0], pages - rows.shape[1])), 1)
-        torch._dynamo.maybe_mark_dynamic(table, 1)
+        table = page_table(meta, ends, bs)
         context = torch.tensor([c - n + 1 for c, n in zip(ends, counts, strict=True)])
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the compiler's notes (compiled_step.py)
-                with trusted_guards(len(batch) in self._ready):
-                    logits, hidden, k, v = self._fn(
-                        input_ids[index], positions[index], self.kv_store, table, context, w
-                    )
+            logits, hidden, k, v = call_graph(
+                self._fn, len(batch) in self._ready,
+                input_ids[index], positions[index], self.kv_store, table, context, w,
+            )  # fmt: skip
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled verify step failed, verifying eagerly from now on: %s",

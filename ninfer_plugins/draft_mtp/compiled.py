@@ -21,12 +21,16 @@ forwards; in fp32 they draft the same tokens (`tests/test_compiled_verify.py`).
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
-from ninfer_core.engine.compiled_step import CompiledDecode, failure_reason
+from ninfer_core.engine.compiled_step import (
+    CompiledDecode,
+    call_graph,
+    compile_graph,
+    failure_reason,
+)
 from ninfer_core.model.decode_graph import attend_with_new
 from ninfer_core.model.verify_graph import with_earlier_rows
 
@@ -159,11 +163,7 @@ class CompiledDraftRound:
         #: 2 x hidden² weights, 0.25 MiB on the built-in model). Its decoder layer's
         #: matrices are quantized on the int4 kernel, or nothing is compiled.
         self.fc = layer.fc.to_dense() if _opaque(layer.fc) else layer.fc
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, CompiledDecode.RECOMPILE_LIMIT)
-        self._fn = torch.compile(
-            draft_round, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}
-        )
+        self._fn = compile_graph(draft_round)
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Rounds it drafted.
@@ -191,15 +191,14 @@ class CompiledDraftRound:
         width = len(ids) // len(counts)
         real = [b * width + j for b, n in enumerate(counts) for j in range(n)]
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the compiler's notes (compiled_step.py)
-                drafts, k, v, kd, vd = self._fn(
-                    self.layer, self.fc, self.head, self.embed, self.rotary,
-                    torch.tensor(ids, device=device), hidden,
-                    torch.tensor(positions, device=device),
-                    torch.tensor(counts, device=device), self.steps_after_first, self.store,
-                    table,
-                )  # fmt: skip
+            drafts, k, v, kd, vd = call_graph(
+                self._fn, False,  # its guards all checked: a module function, not own_code
+                self.layer, self.fc, self.head, self.embed, self.rotary,
+                torch.tensor(ids, device=device), hidden,
+                torch.tensor(positions, device=device),
+                torch.tensor(counts, device=device), self.steps_after_first, self.store,
+                table,
+            )  # fmt: skip
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled MTP drafting failed, drafting eagerly from now on: %s",
