@@ -79,20 +79,14 @@ def _packed_bytes(
     `packed_nbytes` is None is probed with a 1x1 dense weight); only on the CPU, where
     packing happens and asking touches no GPU.
     """
-    from ninfer_core.kernels.compose import plan_kernels
-    from ninfer_core.kernels.reference import TorchOps
+    from ninfer_core.kernels.compose import create_ops, plan_kernels
     from ninfer_core.quant.formats import weight_format
-    from ninfer_core.selection import call_accepting
 
     if device.cuda is not None:
         return None
     choices = plan_kernels(host, device, backend, kernel, workload=workload)
     [linear] = [c for c in choices if c.op == "linear"]
-    if linear.backend in host.kernel_backends:
-        make = host.kernel_backends.get(linear.backend).create_ops
-        ops = call_accepting(make, device, workload=workload)  # as compose_ops makes them
-    else:  # the core's reference, with no `torch` backend registered
-        ops = TorchOps(device.torch_device, workload)
+    ops = create_ops(host, device, linear.backend, workload)  # as compose_ops makes them
     sizer = getattr(ops, "packed_nbytes", None)  # optional; a partial backend may omit it
     if sizer is not None:
         return lambda fmt, shape: sizer(fmt, shape, dtype=dtype)

@@ -317,10 +317,10 @@ def compose_ops(
     backend's ops made for `workload` (the one `plan_kernels` chose them for)."""
     made: dict[str, Any] = {}
     for backend in dict.fromkeys(c.backend for c in choices):
-        made[backend] = _create_ops(host, device, backend, workload)
+        made[backend] = create_ops(host, device, backend, workload)
     choices = _reference_for_later_ops(choices, made)
     if REFERENCE in {c.backend for c in choices} and REFERENCE not in made:
-        made[REFERENCE] = _create_ops(host, device, REFERENCE, workload)
+        made[REFERENCE] = create_ops(host, device, REFERENCE, workload)
     made = {b: made[b] for b in dict.fromkeys(c.backend for c in choices)}
     if len(made) == 1:
         [(backend, ops)] = made.items()
@@ -338,7 +338,7 @@ def compose_ops(
     return composed
 
 
-def _create_ops(
+def create_ops(
     host: PluginHost, device: Any, backend: str, workload: KernelWorkload | None = None
 ) -> Any:
     """The ops object of `backend`, or the core's reference when no `torch` backend is

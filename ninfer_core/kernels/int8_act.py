@@ -81,12 +81,6 @@ def group_products(xq: torch.Tensor, codes: torch.Tensor, group: int) -> torch.T
     return torch.bmm(a, b)
 
 
-def supports_weight(w: object) -> bool:
-    """Whether `int8_linear` runs `w`: any `QuantizedTensor` of at most 8 bits and groups
-    of at most 64 (the exactness bound); dense weights keep the float path."""
-    return isinstance(w, QuantizedTensor) and w.fmt.bits <= 8 and w.fmt.group <= 64
-
-
 def int8_linear(x: torch.Tensor, w: QuantizedTensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, in] float, w: a `QuantizedTensor` [out, in], b: [out] -> [T, out] in
     x.dtype: activations quantized per token to int8, products per group in integers

@@ -58,7 +58,7 @@ class TorchOps(KernelOps):
         #: (`int8_act`), quantized weights stay `QuantizedTensor`s (the int8 path reads
         #: their codes) and prefill rows take `int8_act.int8_linear`.
         self.workload = workload
-        self._int8_acts = workload is not None and workload.activation_dtype == "int8"
+        self._int8_acts = workload is not None and workload.int8_activations
         #: `apply_rope`'s full-width cos and signed sin, derived from the step's cos/sin
         #: by the first layer and reused by the rest (the step's tensors are the key).
         self._rope_tables: tuple[torch.Tensor, ...] = ()

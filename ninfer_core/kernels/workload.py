@@ -44,6 +44,11 @@ class KernelWorkload:
     activation_dtype: str | None = None
 
     @property
+    def int8_activations(self) -> bool:
+        """Whether prefill linears over quantized weights quantize activations to int8."""
+        return self.activation_dtype == "int8"
+
+    @property
     def quantized_formats(self) -> frozenset[str]:
         """The weight formats that are not dense (empty when unknown)."""
         return frozenset(f for f in self.weight_formats or () if not _is_dense(f))

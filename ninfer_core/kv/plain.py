@@ -30,6 +30,7 @@ class PlainKVStore:
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.layout = layout
+        self._raw_pages: dict[int, KVPages] = {}  # `raw_pages`, per layer
         self.dtype = dtype
         self.compute_dtype = compute_dtype or dtype
         self.device = torch.device(device)
@@ -62,6 +63,12 @@ class PlainKVStore:
     def raw_pages(self, layer: int) -> KVPages:
         """Layer `layer`'s live K and V pages as `[NB, BS, Hkv, D]` views (strided: the
         pool is head-major underneath), for kernels that read them in place."""
+        pages = self._raw_pages.get(layer)
+        if pages is None:  # views of pools fixed at build time: described once a layer
+            pages = self._raw_pages[layer] = self._describe_pages(layer)
+        return pages
+
+    def _describe_pages(self, layer: int) -> KVPages:
         d = self.layout.head_dim
         bits = self.dtype.itemsize * 8
 

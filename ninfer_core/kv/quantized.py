@@ -61,6 +61,7 @@ class QuantizedKVStore:
         d = layout.head_dim
         check_head_dim(d, k_quant, v_quant)
         self.layout = layout
+        self._raw_pages: dict[int, KVPages] = {}  # `raw_pages`, per layer
         self.quant = (k_quant, v_quant)
         self.dtype = k_quant.code_dtype  # storage dtype of K codes, for reports
         self.compute_dtype = compute_dtype
@@ -97,6 +98,12 @@ class QuantizedKVStore:
         """Layer `layer`'s live code and scale pools, as stored (rotated for rk8v4), for
         kernels that dequantize inside: `[NB, BS, Hkv, W]` codes, `[NB, BS, Hkv, D/G]`
         fp16 scales."""
+        pages = self._raw_pages.get(layer)
+        if pages is None:  # views of pools fixed at build time: described once a layer
+            pages = self._raw_pages[layer] = self._describe_pages(layer)
+        return pages
+
+    def _describe_pages(self, layer: int) -> KVPages:
         d = self.layout.head_dim
         pools = []
         for kv, quant in enumerate(self.quant):

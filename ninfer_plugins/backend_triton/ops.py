@@ -33,7 +33,7 @@ class TritonOps(KernelOps):
         #: What will run (None where the host did not say); kernels that depend on it
         #: (the activation dtype of prefill linears) read it from here.
         self.workload = workload
-        self._int8_acts = workload is not None and workload.activation_dtype == "int8"
+        self._int8_acts = workload is not None and workload.int8_activations
 
     def prepare(self, meta: AttentionMetadata) -> None:
         attention.prepare(meta)
