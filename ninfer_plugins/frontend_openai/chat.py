@@ -96,7 +96,6 @@ def route_handlers(state: ServeState) -> list:
             budget,
             scope=request.scope,
             logprobs=top,
-            n=data.n or 1,
             constraint=constraint,
         )
         output = prompt.output

@@ -98,6 +98,18 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def check_ids(state: ServeState, ids: list[int], param: str, *, empty: str) -> list[int]:
+    """A prompt given as token ids, copied; a 400 naming `param` when it is empty (`empty`:
+    the message) or holds an id outside the vocabulary."""
+    if not ids:
+        raise refuse(param, empty)
+    vocab = state.tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise refuse(param, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    return list(ids)
+
+
 def generation_request(
     state: ServeState,
     data: wire.SamplingFields,
@@ -108,14 +120,14 @@ def generation_request(
     prompt_param: str = "messages",
     logprobs: int | None = None,
     constraint: Constraint | None = None,
-    n: int = 1,
 ) -> GenerationRequest:
     """The engine request: sampling over the server's defaults, the budget within the
     context, stops, the prefix-cache salt (from the request's ASGI `scope` and its
     `cache_salt`), `min_tokens`, and `logprobs` (alternatives per token, None: none);
     every invalid value a 400 naming its field (`prompt_param`: the field that carried
-    the prompt). `n` > 1 asks for that many choices of the one prompt (`engine/fanout.py`),
-    at most what the server decodes at once."""
+    the prompt). `data.n` > 1 asks for that many choices of the one prompt
+    (`engine/fanout.py`), at most what the server decodes at once."""
+    n = data.n or 1
     stops = stop_strings(data.stop)
     limit = state.engine.config.max_concurrency
     if n > limit:

@@ -28,6 +28,7 @@ from ninfer_plugins.frontend_openai import wire
 from ninfer_plugins.frontend_openai.common import (
     StreamExtras,
     TokenLog,
+    check_ids,
     check_model,
     collect,
     first_event,
@@ -56,15 +57,9 @@ def prompt_ids(state: ServeState, prompt: str | list) -> tuple[list[int], str | 
         if not prompt:
             raise refuse("prompt", "the prompt is empty")
         return state.encode_prompt(prompt, add_special_tokens=True, param="prompt"), prompt
-    if not prompt:
-        raise refuse("prompt", "the prompt is empty")
     if not all(isinstance(t, int) for t in prompt):
         raise refuse("prompt", "a prompt is text or a list of token ids, not a mixture")
-    vocab = state.tokenizer.vocab_size
-    bad = next((t for t in prompt if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise refuse("prompt", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-    return list(prompt), None
+    return check_ids(state, prompt, "prompt", empty="the prompt is empty"), None
 
 
 def finish_reason(reason: str) -> str:
@@ -113,7 +108,6 @@ def route_handlers(state: ServeState) -> list:
             scope=request.scope,
             prompt_param="prompt",
             logprobs=data.logprobs,
-            n=data.n or 1,
             constraint=constraint,
         )
         echo = (text if text is not None else state.tokenizer.decode(ids)) if data.echo else ""

@@ -32,7 +32,7 @@ from ninfer_core.serve.cache_salt import cache_salt
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
-from ninfer_plugins.frontend_openai.common import check_model, refuse
+from ninfer_plugins.frontend_openai.common import check_ids, check_model, refuse
 
 #: Inputs per request at most (OpenAI's own limit).
 MAX_INPUTS = 2048
@@ -83,13 +83,9 @@ def input_ids(state: ServeState, given: str | list) -> list[list[int]]:
         return [state.encode_prompt(t, add_special_tokens=True, param="input") for t in given]
     if not all(isinstance(x, list) for x in given):
         raise refuse("input", "inputs are all text or all token-id lists, not a mixture")
-    vocab = state.tokenizer.vocab_size
-    for ids in given:
-        if not ids:
-            raise refuse("input", "an input is empty")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise refuse("input", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    checked = []
+    for given_ids in given:
+        ids = check_ids(state, given_ids, "input", empty="an input is empty")
         if len(ids) > state.max_context:
             raise ApiError(
                 400,
@@ -98,7 +94,8 @@ def input_ids(state: ServeState, given: str | list) -> list[list[int]]:
                 f"{state.max_context} tokens",
                 param="input",
             )
-    return [list(ids) for ids in given]
+        checked.append(ids)
+    return checked
 
 
 async def embed_one(state: ServeState, request: GenerationRequest) -> FinishEvent:

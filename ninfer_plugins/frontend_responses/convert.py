@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ninfer_core.sampling import MAX_TOP_LOGPROBS
 from ninfer_core.serve.errors import ApiError, invalid
+from ninfer_plugins.frontend_openai import common
 from ninfer_plugins.frontend_openai import wire as chat
 from ninfer_plugins.frontend_openai.common import refuse
 from ninfer_plugins.frontend_responses import wire
@@ -28,15 +28,16 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-def check_request(data: wire.ResponsesRequest) -> None:
-    """What this server cannot honour is refused rather than quietly served differently."""
+def check_request(data: wire.ResponsesRequest) -> int | None:
+    """What this server cannot honour is refused rather than quietly served differently;
+    returns `logprobs_asked(data)`, checked in its place among the other fields."""
     if data.background:
         raise refuse("background", "background responses are not supported by this server")
     if data.conversation is not None:
         raise refuse("conversation", "conversations are not supported; use previous_response_id")
     if data.prompt is not None:
         raise refuse("prompt", "prompt templates are not supported by this server")
-    logprobs_asked(data)
+    top = logprobs_asked(data)
     fmt = data.text.format if data.text is not None else None
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise refuse("text.format", "type must be text, json_object or json_schema")
@@ -47,18 +48,14 @@ def check_request(data: wire.ResponsesRequest) -> None:
         raise refuse("input", "required unless previous_response_id is given")
     if isinstance(data.input, list) and not data.input and data.previous_response_id is None:
         raise refuse("input", "at least one input item is required")
+    return top
 
 
 def logprobs_asked(data: wire.ResponsesRequest) -> int | None:
     """How many alternatives per token the answer's log probabilities carry (None: none
     asked): `include: ["message.output_text.logprobs"]` or `top_logprobs` (0..20) ask."""
     asked = bool(data.include and LOGPROBS_INCLUDE in data.include)
-    top = data.top_logprobs
-    if top is not None:
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise refuse("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {top}")
-        asked = True
-    return (top or 0) if asked else None
+    return common.logprobs_asked(asked or data.top_logprobs is not None, data.top_logprobs)
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:

@@ -127,8 +127,7 @@ def route_handlers(state: ServeState, store: ResponseStore) -> list:
         request: Request, data: JSONBody[wire.ResponsesRequest]
     ) -> Response | ServerSentEvent:
         model = check_model(state, data.model)
-        convert.check_request(data)
-        top = convert.logprobs_asked(data)
+        top = convert.check_request(data)
         history: list[wire.InputItem] = []
         if data.previous_response_id is not None:
             history = store.get(data.previous_response_id, param="previous_response_id").items
