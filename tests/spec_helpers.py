@@ -56,7 +56,6 @@ def speculate_with(engine: Engine, drafter: ScriptedDrafter, k: int) -> Engine:
     target's vocabulary size as a strategy learns it from its `DraftTarget`."""
     drafter.vocab = engine.vocab_size
     engine.drafter, engine.spec_name, engine.spec_options = drafter, "scripted", DraftOptions(k)
-    engine.runner.keep_hidden = drafter.uses_hidden
     return engine
 
 

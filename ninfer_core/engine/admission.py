@@ -23,7 +23,6 @@ def admitted_max_tokens(
     vocab_size: int,
     max_context: int,
     block_manager: BlockManager,
-    block_size: int,
 ) -> int:
     """The completion tokens `request` may produce (its own `max_tokens`, else what the
     context leaves; 0 for an embedding); raises when its prompt holds a token outside the
@@ -46,7 +45,7 @@ def admitted_max_tokens(
     if block_manager.blocks_for(n + max_tokens) > block_manager.num_blocks:
         raise RequestTooLargeError(
             f"prompt plus max_tokens is {n + max_tokens} tokens; the KV pool holds "
-            f"{block_manager.num_blocks * block_size}"
+            f"{block_manager.num_blocks * block_manager.block_size}"
         )
     return max_tokens
 

@@ -51,12 +51,10 @@ def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
         )
     if model.ops.device.type != "cpu":
         return "only the CPU decode step is compiled (GPUs get their own kernels)"
-    if kv_store.write_layers is None or kv_store.gather_heads is None:
-        return "the KV store has no write_layers / gather_heads"
-    if kv_store.rotation is not None:
-        return "the KV store keeps K and V rotated"
-    if any(_opaque(value) for m in model.modules() for value in vars(m).values()) or any(
-        _opaque(p) for p in model.parameters()
+    if (refused := store_refusal(kv_store)) is not None:
+        return refused
+    if any(opaque(value) for m in model.modules() for value in vars(m).values()) or any(
+        opaque(p) for p in model.parameters()
     ):
         return (
             "dense bf16 weights are in oneDNN's packed layout, which the compiler cannot "
@@ -65,7 +63,19 @@ def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
     return None
 
 
-def _opaque(value: object) -> bool:
+def store_refusal(kv_store, whose: str = "the KV store") -> str | None:
+    """Why a graph can't attend over `kv_store`'s pages and store its K/V after the call
+    (it needs the optional `gather_heads` and `write_layers`, and K/V kept as computed),
+    or None."""
+    if kv_store.write_layers is None or kv_store.gather_heads is None:
+        return f"{whose} has no write_layers / gather_heads"
+    if kv_store.rotation is not None:
+        return f"{whose} keeps K and V rotated"
+    return None
+
+
+def opaque(value: object) -> bool:
+    """Whether `value` is a tensor in oneDNN's packed layout, which the compiler can't read."""
     return isinstance(value, torch.Tensor) and value.layout == torch._mkldnn
 
 

@@ -122,7 +122,6 @@ class Engine(StepThread):
             self.spec_name, self.drafter, self.spec_options = build_drafter(
                 host, device, loaded, self.runtime, spec
             )
-            self.runner.keep_hidden = self.drafter.uses_hidden
         self._drafter_failed = False
         self._spec_log = SpecLog(clock())
         self._lock = threading.Lock()
@@ -153,7 +152,7 @@ class Engine(StepThread):
         sink = sink if sink is not None else RequestResult(request.request_id)
         max_tokens = admitted_max_tokens(
             request, vocab_size=self.vocab_size, max_context=self.max_context,
-            block_manager=self.block_manager, block_size=self.config.block_size,
+            block_manager=self.block_manager,
         )  # fmt: skip
         check_fan_out(
             request, max_tokens, max_concurrency=self.config.max_concurrency,

@@ -86,11 +86,6 @@ class Constraint:
         return llguidance.LLMatcher.grammar_from_lark(self.text)
 
 
-def lark_string(text: str) -> str:
-    """`text` as a Lark string literal."""
-    return json.dumps(text, ensure_ascii=False)
-
-
 class GrammarMatcher:
     """One request's position in its grammar."""
 

@@ -30,6 +30,8 @@ from ninfer_core.engine.compiled_step import (
     call_graph,
     compile_graph,
     failure_reason,
+    opaque,
+    store_refusal,
 )
 from ninfer_core.model.decode_graph import attend_with_new
 from ninfer_core.model.verify_graph import with_earlier_rows
@@ -133,23 +135,15 @@ def draft_refusal(layer: torch.nn.Module, store) -> str | None:
 
     if type(layer) is not MTPLayer:
         return "the family's own MTP layer has no captured draft step"
-    opaque = [
+    packed = [
         f"{type(m).__name__}.{name}"
         for m in layer.modules()
         for name, value in vars(m).items()
-        if _opaque(value) and not (m is layer and name == "fc")
-    ] + [name for name, p in layer.named_parameters() if _opaque(p) and name != "fc"]
-    if opaque:
-        return f"{', '.join(opaque)} in oneDNN's packed layout, which the compiler cannot read"
-    if store.write_layers is None or store.gather_heads is None:  # optional KVStore members
-        return "the drafter's KV store has no write_layers / gather_heads"
-    if store.rotation is not None:
-        return "the drafter's KV store keeps K and V rotated"
-    return None
-
-
-def _opaque(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and value.layout == torch._mkldnn
+        if opaque(value) and not (m is layer and name == "fc")
+    ] + [name for name, p in layer.named_parameters() if opaque(p) and name != "fc"]
+    if packed:
+        return f"{', '.join(packed)} in oneDNN's packed layout, which the compiler cannot read"
+    return store_refusal(store, "the drafter's KV store")
 
 
 class CompiledDraftRound:
@@ -162,7 +156,7 @@ class CompiledDraftRound:
         #: compiler cannot read: the graph multiplies by a plain copy (the same numbers;
         #: 2 x hidden² weights, 0.25 MiB on the built-in model). Its decoder layer's
         #: matrices are quantized on the int4 kernel, or nothing is compiled.
-        self.fc = layer.fc.to_dense() if _opaque(layer.fc) else layer.fc
+        self.fc = layer.fc.to_dense() if opaque(layer.fc) else layer.fc
         self._fn = compile_graph(draft_round)
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
