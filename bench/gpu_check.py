@@ -233,18 +233,11 @@ def _supports(obj: Any, device: Any, workload: Any = None) -> Any:
 
 
 def provided(obj: Any, device: Any, op: str, workload: Any) -> Any:
-    """The backend's answer for `op` on this workload (as the host would ask it)."""
-    from ninfer_core.selection import call_accepting
+    """The backend's answer for `op` on this workload, as the host asks it."""
+    from ninfer_core.kernels.compose import backend_provides
     from ninfer_core.support import Support
 
-    support = _supports(obj, device, workload)
-    if not support.ok or obj.provides is None:
-        return support
-    try:
-        answer = call_accepting(obj.provides, device, workload=workload)
-    except Exception as exc:  # the host reads a crashing probe as a refusal too
-        return Support.no(f"provides() raised {type(exc).__name__}: {exc}")
-    return answer.get(op, Support.no(f"does not provide {op}"))
+    return backend_provides(obj, device, workload).get(op, Support.no(f"does not provide {op}"))
 
 
 def dtype_of(torch: Any, name: str) -> Any:
@@ -552,9 +545,6 @@ def end_to_end(run: Run, *, quick: bool, out: Path) -> None:
                 dtype="fp16", gemm_backend=name, max_context=prompt_len + new + 16
             )
             timed_generation(run, f"{model:<6} --gemm-backend {name}", path, runtime, prompt, new)
-    if "activation_dtype" not in RuntimeConfig.__dataclass_fields__:
-        print("int8 activations: not available in this build")
-        return
     for acts in ("auto", "int8"):
         if run.left() < 20:
             return

@@ -172,10 +172,6 @@ def hybrid_state_dict(
     return out
 
 
-def parameter_count(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() for t in tensors.values())
-
-
 def write_folder(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     """`config.json`, the byte-level tokenizer and `model.safetensors` into `path`, through
     `checkpoint.model_folder` (renamed into place last, never over a folder of other files)."""

@@ -132,7 +132,7 @@ def parse_kernel_option(text: str | None) -> dict[str, str]:
     return out
 
 
-def _provided(obj: Any, device: DeviceInfo, workload: KernelWorkload) -> dict[str, Support]:
+def backend_provides(obj: Any, device: DeviceInfo, workload: KernelWorkload) -> dict[str, Support]:
     """What a backend provides for `workload`: {op: Support} (a refused backend refuses
     every op)."""
     support = ask_supports(obj, device, workload=workload)
@@ -194,7 +194,7 @@ def plan_kernels(
     forced = choose(host, "kernel_backends", device, gemm_backend, workload=workload)
     overrides = parse_kernel_option(kernel)
     entries = host.kernel_backends.entries()
-    provided = {e.name: _provided(e.obj, device, workload) for e in entries}
+    provided = {e.name: backend_provides(e.obj, device, workload) for e in entries}
     priority = {e.name: e.obj.priority for e in entries}
     ranked = sorted(priority, key=lambda n: -priority[n])  # stable: registration order
     where = _where(device, workload)
@@ -267,7 +267,7 @@ def check_kv_codec(
     if attention.backend not in host.kernel_backends:
         return  # the core's reference reads every codec's pages
     obj = host.kernel_backends.get(attention.backend)
-    support = _provided(obj, device, replace(workload, kv_codec=kv_codec)).get("attention")
+    support = backend_provides(obj, device, replace(workload, kv_codec=kv_codec)).get("attention")
     if support is None or not support.ok:
         why = support.reason if support is not None else "it does not provide attention"
         raise UnsupportedChoiceError(

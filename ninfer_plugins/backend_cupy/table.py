@@ -103,8 +103,8 @@ def op_support(device: DeviceInfo, workload: KernelWorkload | None) -> dict[str,
     refusal = dtype_support(device, workload.compute_dtype if workload else None)
     if refusal is not None:
         return {"linear": refusal}
-    activations = getattr(workload, "activation_dtype", None)
-    if activations is not None:
+    if workload is not None and workload.activation_dtype is not None:
+        activations = workload.activation_dtype
         return {"linear": Support.no(f"no CuPy kernels for {activations} activations")}
     formats = workload.weight_formats if workload is not None else None
     if formats:
