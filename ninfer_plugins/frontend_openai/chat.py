@@ -12,11 +12,14 @@ Log probabilities (`logprobs`, `top_logprobs`) and vLLM's `return_token_ids` fol
 tokens, not the parsed text: a chunk carries those of the tokens that arrived since the last
 chunk went out (text the parser holds back, a reasoning tag, defers them), and the finish
 chunk carries the rest, so a stream's pieces joined are the whole answer's lists.
+
+`n` > 1 asks for several choices of the prompt: each its own parser and token log
+(`ChatChoices`), served by the same loop as one choice (`choices.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import copy
 from dataclasses import dataclass
 
 from litestar import Request, Response, post
@@ -24,25 +27,20 @@ from litestar.openapi import ResponseSpec
 from litestar.params import JSONBody
 from msgspec import UNSET, UnsetType
 
-from ninfer_core.engine.request import FinishEvent, GenerationEvent
+from ninfer_core.engine.request import FinishEvent, TokenEvent
 from ninfer_core.serve import constraints as serve_constraints
-from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
 from ninfer_core.text.tool_calls import ToolCall
 from ninfer_plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai.choices import Choices, Head, reply
 from ninfer_plugins.frontend_openai.common import (
-    StreamExtras,
     TokenLog,
     check_model,
-    collect,
-    first_event,
     generation_request,
     logprobs_asked,
     new_id,
     now,
     refuse_unsupported,
-    sse,
-    usage,
 )
 from ninfer_plugins.frontend_openai.constraints import request_constraint
 from ninfer_plugins.frontend_openai.conversation import forced_call
@@ -98,37 +96,13 @@ def route_handlers(state: ServeState) -> list:
             logprobs=top,
             constraint=constraint,
         )
-        output = prompt.output
         events = state.generate(gen)
-        rid, created = new_id("chatcmpl"), now()
+        head = Head(new_id("chatcmpl"), now(), model)
         tokens = Tokens(
             token_texts(state.tokenizer) if top is not None else None,
             prompt.ids if data.return_token_ids else None,
         )
-        if gen.n > 1:  # n choices of the one prompt: choices.py
-            from ninfer_plugins.frontend_openai import choices
-
-            ids = (rid, created, model)
-            return await choices.chat_reply(request, data, events, gen.n, output, ids, tokens)
-        if data.stream:
-            first = await first_event(request, events)
-            extras = StreamExtras.asked(data)
-            return sse(stream(first, events, output, rid, created, model, extras, tokens))
-        log = TokenLog()
-        finish = await until_disconnect(request, collect(events, output.feed, log))
-        output.finish()
-        content = "".join(output.content)
-        message = wire.AssistantMessage(
-            content=content if content or not output.calls else None,
-            reasoning_content="".join(output.reasoning) or None,
-            tool_calls=out_calls(output.calls),
-        )
-        choice = wire.ChatChoice(0, message, finish_reason(finish.reason, output.calls))
-        choice.logprobs, choice.token_ids = tokens.whole(log)
-        spent = usage(finish.usage, with_spec=data.return_spec_stats)
-        whole = wire.ChatCompletion(rid, created, model, [choice], spent)
-        whole.prompt_token_ids = tokens.prompt_ids
-        return Response(whole)
+        return await reply(request, data, events, ChatChoices(head, gen.n, prompt.output, tokens))
 
     return [chat_completions]
 
@@ -158,63 +132,92 @@ class Tokens:
         return logprobs, (None if isinstance(ids, UnsetType) else ids)
 
 
-async def stream(
-    first: GenerationEvent,
-    events: AsyncIterator[GenerationEvent],
-    output: ChatOutput,
-    rid: str,
-    created: int,
-    model: str,
-    extras: StreamExtras,
-    tokens: Tokens | None = None,
-) -> AsyncIterator[str]:
-    tokens = tokens or Tokens()
-    log = TokenLog()
+class ChatChoices(Choices):
+    """A chat request's choices: each its own parser (a copy of the prompt's, which may have
+    read a forced call's opening already, `prompt.py`) and token log."""
 
-    def chunk(
+    def __init__(self, head: Head, n: int, output: ChatOutput, tokens: Tokens) -> None:
+        super().__init__(head, n)
+        self.tokens = tokens
+        # Copies taken before any answer text reached the prompt's parser.
+        self.outputs = [output, *(copy.deepcopy(output) for _ in range(n - 1))]
+        self.logs = [TokenLog() for _ in range(n)]
+
+    def record(self, event: TokenEvent) -> None:
+        self._feed(event)
+
+    def _feed(self, event: TokenEvent) -> Piece:
+        self.logs[event.index].add(event)
+        return self.outputs[event.index].feed(event.text)
+
+    # -- a stream ------------------------------------------------------------------------
+
+    def opening(self) -> list[str]:
+        out = []
+        for index in range(self.n):
+            role = wire.ChunkChoice(index, wire.Delta(role="assistant", content=""))
+            head = wire.ChatCompletionChunk(*self.head, [role])
+            if index == 0:  # the request's prompt, once
+                head.prompt_token_ids = self.tokens.prompt()
+            out.append(wire.encode(head))
+        return out
+
+    def token(self, event: TokenEvent) -> list[str]:
+        return self._deltas(event.index, self._feed(event))
+
+    def finish(self, event: FinishEvent, stats: wire.SpecStats | UnsetType) -> list[str]:
+        index, output = event.index, self.outputs[event.index]
+        out = self._deltas(index, output.finish())
+        reason = finish_reason(event.reason, output.calls)
+        out.append(self._chunk(index, wire.Delta(), reason, stats))
+        return out
+
+    def usage_chunk(self, spent: wire.Usage) -> str:
+        return wire.encode(wire.ChatCompletionChunk(*self.head, [], spent))
+
+    def _chunk(
+        self,
+        index: int,
         delta: wire.Delta,
         reason: str | None = None,
         stats: wire.SpecStats | UnsetType = UNSET,
     ) -> str:
-        choice = wire.ChunkChoice(0, delta, reason)
-        choice.logprobs, choice.token_ids = tokens.extras(log.take())
-        return wire.encode(
-            wire.ChatCompletionChunk(rid, created, model, [choice], spec_stats=stats)
-        )
+        choice = wire.ChunkChoice(index, delta, reason)
+        choice.logprobs, choice.token_ids = self.tokens.extras(self.logs[index].take())
+        return wire.encode(wire.ChatCompletionChunk(*self.head, [choice], spec_stats=stats))
 
-    def deltas(piece: Piece) -> list[str]:
+    def _deltas(self, index: int, piece: Piece) -> list[str]:
         out = []
         if piece.reasoning:
-            out.append(chunk(wire.Delta(reasoning_content=piece.reasoning)))
+            out.append(self._chunk(index, wire.Delta(reasoning_content=piece.reasoning)))
         if piece.content:
-            out.append(chunk(wire.Delta(content=piece.content)))
+            out.append(self._chunk(index, wire.Delta(content=piece.content)))
         if piece.calls:
-            start = len(output.calls) - len(piece.calls)
+            start = len(self.outputs[index].calls) - len(piece.calls)
             calls = [
                 wire.ToolCallDelta(start + i, c.id, wire.FunctionCallOut(c.name, c.arguments))
                 for i, c in enumerate(piece.calls)
             ]
-            out.append(chunk(wire.Delta(tool_calls=calls)))
+            out.append(self._chunk(index, wire.Delta(tool_calls=calls)))
         return out
 
-    try:
-        head = wire.ChatCompletionChunk(
-            rid, created, model, [wire.ChunkChoice(0, wire.Delta(role="assistant", content=""))]
+    # -- a whole answer ------------------------------------------------------------------
+
+    def answer(self, finishes: list[FinishEvent], spent: wire.Usage) -> wire.ChatCompletion:
+        choices = [self._choice(finish) for finish in finishes]
+        whole = wire.ChatCompletion(*self.head, choices, spent)
+        whole.prompt_token_ids = self.tokens.prompt_ids
+        return whole
+
+    def _choice(self, finish: FinishEvent) -> wire.ChatChoice:
+        output = self.outputs[finish.index]
+        output.finish()
+        content = "".join(output.content)
+        message = wire.AssistantMessage(
+            content=content if content or not output.calls else None,
+            reasoning_content="".join(output.reasoning) or None,
+            tool_calls=out_calls(output.calls),
         )
-        head.prompt_token_ids = tokens.prompt()
-        yield wire.encode(head)
-        event = first
-        while not isinstance(event, FinishEvent):
-            log.add(event)
-            for text in deltas(output.feed(event.text)):
-                yield text
-            event = await anext(events)
-        for text in deltas(output.finish()):
-            yield text
-        reason = finish_reason(event.reason, output.calls)
-        yield chunk(wire.Delta(), reason, extras.on_finish(event.usage))
-        spent = extras.usage_chunk(event.usage)
-        if spent is not None:
-            yield wire.encode(wire.ChatCompletionChunk(rid, created, model, [], spent))
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        choice = wire.ChatChoice(finish.index, message, finish_reason(finish.reason, output.calls))
+        choice.logprobs, choice.token_ids = self.tokens.whole(self.logs[finish.index])
+        return choice

@@ -1,274 +1,154 @@
-"""`n > 1` for chat and completions: one engine request, `n` choices (`engine/fanout.py`).
+"""A request's `n` choices, `n = 1` included: the one answer loop of chat and completions.
 
-The engine prefills the prompt once and forks it; its events carry each choice's `index`.
-Here each choice keeps what a single answer keeps (its own output parser, token log and
-finish): the answer lists the choices by index, and its usage counts the prompt once and sums
-the choices' completion tokens, as OpenAI reports it. A stream interleaves the choices'
-chunks in the order their tokens come, each with its `index` (the role chunk of every
-choice first), a finish chunk per choice, and one usage chunk at the end when asked.
+The engine runs one request (`engine/fanout.py` forks it when `n` > 1) and tags each event
+with its choice's `index`. Each endpoint keeps per choice what an answer needs (a parser, a
+token log) in a `Choices`; the loops here are the endpoints' only ones, streamed or whole,
+so what a request gets at its end (usage, `spec_stats`) cannot differ between one choice and
+several. A single answer is the case `n = 1`, not a path of its own.
 
-`n = 1` never comes here: those answers are the handlers' own, unchanged.
+What the request gets once, whatever `n`: the usage, which counts the prompt (and its
+cached part) once and sums the choices' completion tokens and speculative rounds, as
+OpenAI sums choices; in a stream, the usage chunk after the last finish, or without it the
+`spec_stats` on the finish chunk that ends the request (the last choice's). Each choice
+streams with its own `index` and gets its own finish chunk, as OpenAI and vLLM send them.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import AsyncIterator, Callable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable
+from typing import NamedTuple
 
 from litestar import Request, Response
 from litestar.response import ServerSentEvent
+from msgspec import UNSET, Struct, UnsetType
 
-from ninfer_core.engine.request import FinishEvent, GenerationEvent
+from ninfer_core.engine.request import FinishEvent, GenerationEvent, TokenEvent
 from ninfer_core.engine.request import Usage as EngineUsage
 from ninfer_core.serve.limits import until_disconnect
+from ninfer_core.spec.stats import SpecUsage
 from ninfer_plugins.frontend_openai import wire
-from ninfer_plugins.frontend_openai.chat import Tokens, finish_reason, out_calls
-from ninfer_plugins.frontend_openai.common import StreamExtras, TokenLog, first_event, sse, usage
-from ninfer_plugins.frontend_openai.completions import ChoiceExtras
-from ninfer_plugins.frontend_openai.completions import finish_reason as completion_reason
-from ninfer_plugins.frontend_openai.logprobs import CompletionLogprobs
-from ninfer_plugins.frontend_openai.output import ChatOutput, Piece
+from ninfer_plugins.frontend_openai.common import StreamExtras, first_event, sse, usage
 
 
-def total_usage(finishes: dict[int, FinishEvent]) -> EngineUsage:
-    """The request's usage: the prompt (and its cached part) once, every choice's tokens."""
-    first = finishes[min(finishes)].usage
-    spent = sum(f.usage.completion_tokens for f in finishes.values())
-    return EngineUsage(first.prompt_tokens, spent, first.cached_tokens)
+class Head(NamedTuple):
+    """What every chunk and whole answer of one request names, in the order the wire
+    structs take them (`wire.Completion(*head, choices)`)."""
+
+    id: str
+    created: int
+    model: str
 
 
-# -- chat ----------------------------------------------------------------------------------
+class Choices(ABC):
+    """One endpoint's `n` choices of a request: the state each keeps, and the chunks or the
+    whole answer made of it. Only one of the two modes is used per request."""
+
+    def __init__(self, head: Head, n: int) -> None:
+        self.head, self.n = head, n
+
+    @abstractmethod
+    def record(self, event: TokenEvent) -> None:
+        """Keep a token event in its choice's state (a whole answer)."""
+
+    @abstractmethod
+    def opening(self) -> Iterable[str]:
+        """A stream's chunks before any token (chat's roles, completions' echo)."""
+
+    @abstractmethod
+    def token(self, event: TokenEvent) -> Iterable[str]:
+        """Keep a token event in its choice's state and return the chunks it makes."""
+
+    @abstractmethod
+    def finish(self, event: FinishEvent, stats: wire.SpecStats | UnsetType) -> Iterable[str]:
+        """The chunks that end choice `event.index` (text held back, then its finish reason;
+        `stats`: the request's `spec_stats`, set only on the request's last finish)."""
+
+    @abstractmethod
+    def usage_chunk(self, spent: wire.Usage) -> str:
+        """A stream's last chunk: no choices, the request's usage."""
+
+    @abstractmethod
+    def answer(self, finishes: list[FinishEvent], spent: wire.Usage) -> Struct:
+        """The whole answer from every choice's state and finish (index order)."""
 
 
-async def chat_reply(
+async def reply(
     request: Request,
-    data: wire.ChatCompletionRequest,
+    data: wire.SamplingFields,
     events: AsyncIterator[GenerationEvent],
-    n: int,
-    output: ChatOutput,
-    ids: tuple[str, int, str],
-    tokens: Tokens,
+    choices: Choices,
 ) -> Response | ServerSentEvent:
-    """The answer to a chat request with `n` > 1 choices; `ids`: (id, created, model)."""
-    rid, created, model = ids
+    """Answer `request`: its event stream (`data.stream`) or its whole answer."""
     if data.stream:
         first = await first_event(request, events)
-        extras = StreamExtras.asked(data)
-        chunks = chat_stream(first, events, n, output, rid, created, model, extras, tokens)
-        return sse(chunks)
-    choices, spent = await until_disconnect(request, chat_answer(events, n, output, tokens))
-    whole = wire.ChatCompletion(rid, created, model, choices, usage(spent))
-    whole.prompt_token_ids = tokens.prompt_ids
-    return Response(whole)
+        return sse(stream(first, events, choices, StreamExtras.asked(data)))
+    finishes = await until_disconnect(request, gather(events, choices))
+    spent = usage(total_usage(finishes), with_spec=data.return_spec_stats)
+    return Response(choices.answer(finishes, spent))
 
 
-def chat_outputs(output: ChatOutput, n: int) -> list[ChatOutput]:
-    """A parser per choice, each a copy of the prompt's (which has read a forced call's
-    opening already, `prompt.py`), taken before any answer text reached it."""
-    return [copy.deepcopy(output) for _ in range(n)]
-
-
-def chat_choice(
-    index: int, output: ChatOutput, finish: FinishEvent, tokens: Tokens, log: TokenLog
-) -> wire.ChatChoice:
-    output.finish()
-    content = "".join(output.content)
-    message = wire.AssistantMessage(
-        content=content if content or not output.calls else None,
-        reasoning_content="".join(output.reasoning) or None,
-        tool_calls=out_calls(output.calls),
-    )
-    choice = wire.ChatChoice(index, message, finish_reason(finish.reason, output.calls))
-    choice.logprobs, choice.token_ids = tokens.whole(log)
-    return choice
-
-
-async def gather_choices(
-    events: AsyncIterator[GenerationEvent], n: int, feed: Callable[[int, str], object]
-) -> tuple[list[TokenLog], dict[int, FinishEvent]]:
-    """Read a whole answer of `n` choices: each token event's text goes to `feed(index,
-    text)` and its log probabilities to that choice's log; returns the logs and the
-    finish events by index (chat and completions differ only in what `feed` builds)."""
-    logs = [TokenLog() for _ in range(n)]
+async def gather(events: AsyncIterator[GenerationEvent], choices: Choices) -> list[FinishEvent]:
+    """Read a whole answer: each token to its choice's state; the finishes, by index."""
     finishes: dict[int, FinishEvent] = {}
-    async for event in events:
-        if isinstance(event, FinishEvent):
-            finishes[event.index] = event
-        else:
-            feed(event.index, event.text)
-            logs[event.index].add(event)
-    return logs, finishes
+    try:
+        async for event in events:
+            if isinstance(event, FinishEvent):
+                finishes[event.index] = event
+                if len(finishes) == choices.n:
+                    return [finishes[i] for i in range(choices.n)]
+            else:
+                choices.record(event)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    raise RuntimeError("the generation ended before every choice finished")
 
 
-async def chat_answer(
-    events: AsyncIterator[GenerationEvent], n: int, output: ChatOutput, tokens: Tokens
-) -> tuple[list[wire.ChatChoice], EngineUsage]:
-    """Every choice of a whole (not streamed) answer, in index order, and the usage."""
-    outputs = chat_outputs(output, n)
-    logs, finishes = await gather_choices(events, n, lambda i, text: outputs[i].feed(text))
-    choices = [chat_choice(i, outputs[i], finishes[i], tokens, logs[i]) for i in range(n)]
-    return choices, total_usage(finishes)
-
-
-async def chat_stream(
+async def stream(
     first: GenerationEvent,
     events: AsyncIterator[GenerationEvent],
-    n: int,
-    output: ChatOutput,
-    rid: str,
-    created: int,
-    model: str,
+    choices: Choices,
     extras: StreamExtras,
-    tokens: Tokens,
 ) -> AsyncIterator[str]:
-    outputs = chat_outputs(output, n)
-    logs = [TokenLog() for _ in range(n)]
-
-    def chunk(index: int, delta: wire.Delta, reason: str | None = None) -> str:
-        choice = wire.ChunkChoice(index, delta, reason)
-        choice.logprobs, choice.token_ids = tokens.extras(logs[index].take())
-        return wire.encode(wire.ChatCompletionChunk(rid, created, model, [choice]))
-
-    def deltas(index: int, piece: Piece) -> list[str]:
-        out = []
-        if piece.reasoning:
-            out.append(chunk(index, wire.Delta(reasoning_content=piece.reasoning)))
-        if piece.content:
-            out.append(chunk(index, wire.Delta(content=piece.content)))
-        if piece.calls:
-            start = len(outputs[index].calls) - len(piece.calls)
-            calls = [
-                wire.ToolCallDelta(start + i, c.id, wire.FunctionCallOut(c.name, c.arguments))
-                for i, c in enumerate(piece.calls)
-            ]
-            out.append(chunk(index, wire.Delta(tool_calls=calls)))
-        return out
-
+    """A request's chunks: the opening, each choice's chunks as its tokens come, a finish
+    per choice (the last with the request's `spec_stats` when no usage chunk follows),
+    then the usage chunk when asked."""
     try:
-        for index in range(n):
-            head = wire.ChatCompletionChunk(
-                rid,
-                created,
-                model,
-                [wire.ChunkChoice(index, wire.Delta(role="assistant", content=""))],
-            )
-            if index == 0:
-                head.prompt_token_ids = tokens.prompt()
-            yield wire.encode(head)
+        for text in choices.opening():
+            yield text
         finishes: dict[int, FinishEvent] = {}
         event = first
         while True:
-            index = event.index
             if isinstance(event, FinishEvent):
-                for text in deltas(index, outputs[index].finish()):
+                finishes[event.index] = event
+                done = len(finishes) == choices.n
+                stats = extras.on_finish(total_usage(list(finishes.values()))) if done else UNSET
+                for text in choices.finish(event, stats):
                     yield text
-                yield chunk(index, wire.Delta(), finish_reason(event.reason, outputs[index].calls))
-                finishes[index] = event
-                if len(finishes) == n:
+                if done:
                     break
             else:
-                logs[index].add(event)
-                for text in deltas(index, outputs[index].feed(event.text)):
+                for text in choices.token(event):
                     yield text
             event = await anext(events)
-        spent = extras.usage_chunk(total_usage(finishes))
+        spent = extras.usage_chunk(total_usage(list(finishes.values())))
         if spent is not None:
-            yield wire.encode(wire.ChatCompletionChunk(rid, created, model, [], spent))
+            yield choices.usage_chunk(spent)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 
 
-# -- completions ---------------------------------------------------------------------------
-
-
-async def completion_reply(
-    request: Request,
-    data: wire.CompletionRequest,
-    events: AsyncIterator[GenerationEvent],
-    n: int,
-    echo: str,
-    ids: tuple[str, int, str],
-    extras: ChoiceExtras,
-) -> Response | ServerSentEvent:
-    """The answer to a completions request with `n` > 1 choices; `ids`: (id, created,
-    model)."""
-    rid, created, model = ids
-    if data.stream:
-        first = await first_event(request, events)
-        asked = StreamExtras.asked(data)
-        chunks = completion_stream(first, events, n, echo, rid, created, model, asked, extras)
-        return sse(chunks)
-    answer = completion_answer(events, n, echo, extras)
-    choices, spent = await until_disconnect(request, answer)
-    return Response(wire.Completion(rid, created, model, choices, usage(spent)))
-
-
-def completion_extras(extras: ChoiceExtras, n: int) -> list[ChoiceExtras]:
-    """Each choice's own log-probability offsets; the prompt's ids are shared."""
-    out = []
-    for _ in range(n):
-        lp = extras.logprobs
-        own = None if lp is None else CompletionLogprobs(lp.texts, lp.offset)
-        out.append(ChoiceExtras(own, extras.prompt_ids))
-    return out
-
-
-async def completion_answer(
-    events: AsyncIterator[GenerationEvent], n: int, echo: str, extras: ChoiceExtras
-) -> tuple[list[wire.CompletionChoice], EngineUsage]:
-    """Every choice of a whole (not streamed) completion, in index order, and the usage."""
-    texts = [[echo] for _ in range(n)]
-    logs, finishes = await gather_choices(events, n, lambda i, text: texts[i].append(text))
-    choices = []
-    for i, more in enumerate(completion_extras(extras, n)):
-        reason = completion_reason(finishes[i].reason)
-        choice = wire.CompletionChoice(i, "".join(texts[i]), reason)
-        more.fill(choice, logs[i], first=True)
-        choices.append(choice)
-    return choices, total_usage(finishes)
-
-
-async def completion_stream(
-    first: GenerationEvent,
-    events: AsyncIterator[GenerationEvent],
-    n: int,
-    echo: str,
-    rid: str,
-    created: int,
-    model: str,
-    extras: StreamExtras,
-    choice_extras: ChoiceExtras,
-) -> AsyncIterator[str]:
-    mores = completion_extras(choice_extras, n)
-    logs = [TokenLog() for _ in range(n)]
-    sent = [False] * n
-
-    def chunk(index: int, text: str, reason: str | None = None) -> str:
-        choice = wire.CompletionChoice(index, text, reason)
-        mores[index].fill(choice, logs[index].take(), first=not sent[index])
-        sent[index] = True
-        return wire.encode(wire.Completion(rid, created, model, [choice]))
-
-    try:
-        if echo:
-            for index in range(n):
-                yield chunk(index, echo)
-        finishes: dict[int, FinishEvent] = {}
-        event = first
-        while True:
-            index = event.index
-            if isinstance(event, FinishEvent):
-                yield chunk(index, "", completion_reason(event.reason))
-                finishes[index] = event
-                if len(finishes) == n:
-                    break
-            else:
-                logs[index].add(event)
-                if event.text or mores[index].asked:
-                    yield chunk(index, event.text)
-            event = await anext(events)
-        spent = extras.usage_chunk(total_usage(finishes))
-        if spent is not None:
-            yield wire.encode(wire.Completion(rid, created, model, [], spent))
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
+def total_usage(finishes: list[FinishEvent]) -> EngineUsage:
+    """The request's usage: the prompt (and its cached part) once; every choice's tokens
+    and speculative rounds (None when no choice speculated)."""
+    first = min(finishes, key=lambda f: f.index).usage
+    spent = sum(f.usage.completion_tokens for f in finishes)
+    specs = [f.usage.spec for f in finishes if f.usage.spec is not None]
+    spec = None
+    if specs:
+        spec = SpecUsage(
+            rounds=sum(s.rounds for s in specs),
+            drafted=sum(s.drafted for s in specs),
+            accepted=sum(s.accepted for s in specs),
+        )
+    return EngineUsage(first.prompt_tokens, spent, first.cached_tokens, spec)

@@ -8,12 +8,14 @@ taken as they are, once checked against the vocabulary.
 and its k most likely alternatives in the legacy shape; a stream's chunks carry the tokens
 that arrived with their text. The prompt's own log probabilities (`echo` with `logprobs`)
 are not computed: that combination is a 400.
+
+`n` > 1 asks for several continuations of the prompt (`CompletionChoices`), served by the
+same loop as one (`choices.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from litestar import Request, Response, post
@@ -21,24 +23,19 @@ from litestar.openapi import ResponseSpec
 from litestar.params import JSONBody
 from msgspec import UNSET, UnsetType
 
-from ninfer_core.engine.request import FinishEvent, GenerationEvent
-from ninfer_core.serve.limits import until_disconnect
+from ninfer_core.engine.request import FinishEvent, TokenEvent
 from ninfer_core.serve.state import ServeState
 from ninfer_plugins.frontend_openai import wire
+from ninfer_plugins.frontend_openai.choices import Choices, Head, reply
 from ninfer_plugins.frontend_openai.common import (
-    StreamExtras,
     TokenLog,
     check_ids,
     check_model,
-    collect,
-    first_event,
     generation_request,
     new_id,
     now,
     refuse,
     refuse_unsupported,
-    sse,
-    usage,
 )
 from ninfer_plugins.frontend_openai.constraints import request_constraint
 from ninfer_plugins.frontend_openai.logprobs import CompletionLogprobs, token_texts
@@ -112,27 +109,12 @@ def route_handlers(state: ServeState) -> list:
         )
         echo = (text if text is not None else state.tokenizer.decode(ids)) if data.echo else ""
         events = state.generate(gen)
-        rid, created = new_id("cmpl"), now()
+        head = Head(new_id("cmpl"), now(), model)
         extras = ChoiceExtras(
             None if data.logprobs is None else CompletionLogprobs(token_texts(state.tokenizer)),
             ids if data.return_token_ids else None,
         )
-        if gen.n > 1:  # n choices of the one prompt: choices.py
-            from ninfer_plugins.frontend_openai import choices
-
-            who = (rid, created, model)
-            return await choices.completion_reply(request, data, events, gen.n, echo, who, extras)
-        if data.stream:
-            first = await first_event(request, events)
-            asked = StreamExtras.asked(data)
-            return sse(stream(first, events, echo, rid, created, model, asked, extras))
-        parts: list[str] = [echo]
-        log = TokenLog()
-        finish = await until_disconnect(request, collect(events, parts.append, log))
-        choice = wire.CompletionChoice(0, "".join(parts), finish_reason(finish.reason))
-        extras.fill(choice, log, first=True)
-        spent = usage(finish.usage, with_spec=data.return_spec_stats)
-        return Response(wire.Completion(rid, created, model, [choice], spent))
+        return await reply(request, data, events, CompletionChoices(head, gen.n, echo, extras))
 
     return [completions]
 
@@ -150,6 +132,13 @@ class ChoiceExtras:
         """Whether a chunk goes out for tokens whose text is held back (it has their ids)."""
         return self.logprobs is not None or self.prompt_ids is not None
 
+    def own(self) -> ChoiceExtras:
+        """A copy for one choice: its own log-probability offsets, the prompt's ids shared."""
+        lp = self.logprobs
+        return ChoiceExtras(
+            None if lp is None else CompletionLogprobs(lp.texts, lp.offset), self.prompt_ids
+        )
+
     def fill(self, choice: wire.CompletionChoice, log: TokenLog, *, first: bool) -> None:
         if self.logprobs is not None:
             choice.logprobs = self.logprobs.take(log.logprobs)
@@ -159,41 +148,58 @@ class ChoiceExtras:
                 choice.prompt_token_ids = self.prompt_ids
 
 
-async def stream(
-    first: GenerationEvent,
-    events: AsyncIterator[GenerationEvent],
-    echo: str,
-    rid: str,
-    created: int,
-    model: str,
-    extras: StreamExtras,
-    choice_extras: ChoiceExtras | None = None,
-) -> AsyncIterator[str]:
-    more = choice_extras or ChoiceExtras()
-    log = TokenLog()
-    sent = False
+class CompletionChoices(Choices):
+    """A completions request's choices: each its text (the echoed prompt first), token log
+    and log-probability offsets; the prompt's ids go on each choice's first piece."""
 
-    def chunk(
-        text: str, reason: str | None = None, stats: wire.SpecStats | UnsetType = UNSET
+    def __init__(self, head: Head, n: int, echo: str, extras: ChoiceExtras) -> None:
+        super().__init__(head, n)
+        self.echo = echo
+        self.extras = [extras.own() for _ in range(n)]
+        self.texts = [[echo] for _ in range(n)]
+        self.logs = [TokenLog() for _ in range(n)]
+        self.sent = [False] * n
+
+    def record(self, event: TokenEvent) -> None:
+        self.texts[event.index].append(event.text)
+        self.logs[event.index].add(event)
+
+    # -- a stream ------------------------------------------------------------------------
+
+    def opening(self) -> list[str]:
+        return [self._chunk(index, self.echo) for index in range(self.n)] if self.echo else []
+
+    def token(self, event: TokenEvent) -> list[str]:
+        self.logs[event.index].add(event)
+        if event.text or self.extras[event.index].asked:
+            return [self._chunk(event.index, event.text)]
+        return []
+
+    def finish(self, event: FinishEvent, stats: wire.SpecStats | UnsetType) -> list[str]:
+        return [self._chunk(event.index, "", finish_reason(event.reason), stats)]
+
+    def usage_chunk(self, spent: wire.Usage) -> str:
+        return wire.encode(wire.Completion(*self.head, [], spent))
+
+    def _chunk(
+        self,
+        index: int,
+        text: str,
+        reason: str | None = None,
+        stats: wire.SpecStats | UnsetType = UNSET,
     ) -> str:
-        nonlocal sent
-        choice = wire.CompletionChoice(0, text, reason)
-        more.fill(choice, log.take(), first=not sent)
-        sent = True
-        return wire.encode(wire.Completion(rid, created, model, [choice], spec_stats=stats))
+        choice = wire.CompletionChoice(index, text, reason)
+        self.extras[index].fill(choice, self.logs[index].take(), first=not self.sent[index])
+        self.sent[index] = True
+        return wire.encode(wire.Completion(*self.head, [choice], spec_stats=stats))
 
-    try:
-        if echo:
-            yield chunk(echo)
-        event = first
-        while not isinstance(event, FinishEvent):
-            log.add(event)
-            if event.text or more.asked:
-                yield chunk(event.text)
-            event = await anext(events)
-        yield chunk("", finish_reason(event.reason), extras.on_finish(event.usage))
-        spent = extras.usage_chunk(event.usage)
-        if spent is not None:
-            yield wire.encode(wire.Completion(rid, created, model, [], spent))
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
+    # -- a whole answer ------------------------------------------------------------------
+
+    def answer(self, finishes: list[FinishEvent], spent: wire.Usage) -> wire.Completion:
+        choices = []
+        for finish in finishes:
+            i = finish.index
+            choice = wire.CompletionChoice(i, "".join(self.texts[i]), finish_reason(finish.reason))
+            self.extras[i].fill(choice, self.logs[i], first=True)
+            choices.append(choice)
+        return wire.Completion(*self.head, choices, spent)
