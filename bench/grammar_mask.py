@@ -29,6 +29,7 @@ from ninfer_core.loading import open_artifact
 from ninfer_core.plugin_host import create_host
 from ninfer_core.smollm2 import smollm2_path
 from ninfer_core.text import Tokenizer
+from ninfer_core.text.byte_level import char_to_byte
 
 NESTED_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -214,7 +215,7 @@ def _outlines_core(tokenizer: Tokenizer, eos: int) -> Callable[[dict[str, Any]],
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
-    decoder = _gpt2_byte_decoder()
+    decoder = char_to_byte()
     tokens: dict[bytes, list[int]] = {}
     specials = tokenizer.all_special_ids
     for i, entry in enumerate(_byte_level_vocab(tokenizer)):
@@ -244,18 +245,6 @@ def _outlines_core(tokenizer: Tokenizer, eos: int) -> Callable[[dict[str, Any]],
             return self.g.is_finished() or eos in self.g.get_tokens()
 
     return Matcher
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: printable stand-in character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
 LIBRARIES: dict[str, Library] = {

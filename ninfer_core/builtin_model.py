@@ -103,26 +103,15 @@ TOKENIZER_CONFIG = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte → printable character map used by byte-level BPE."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def byte_tokenizer_json() -> str:
     """The built-in model's tokenizer as `tokenizer.json`: byte-level BPE without merges (one
     token a byte) plus `SPECIAL_TOKENS`, so it needs no training and fits any random model
     with a vocabulary of `256 + len(SPECIAL_TOKENS)` (the benchmarks' models use it too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    from ninfer_core.text.byte_level import byte_to_char
+
+    vocab = {ch: b for b, ch in byte_to_char().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

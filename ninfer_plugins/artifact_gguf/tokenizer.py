@@ -16,6 +16,7 @@ import json
 from functools import cached_property
 from typing import Any
 
+from ninfer_core.text.byte_level import byte_to_char
 from ninfer_plugins.artifact_gguf.file import GGUFFormatError
 from ninfer_plugins.artifact_gguf.metadata import Metadata
 
@@ -52,19 +53,6 @@ PRE_TOKENIZERS: dict[str, str] = {
 }
 #: Pre-tokenizers whose vocabulary entries win over merges (llama.cpp's `ignore_merges`).
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3"})
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the alphabet byte-level tokens are spelt in)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
 
 
 class GGUFVocabulary:
@@ -120,7 +108,7 @@ class GGUFVocabulary:
         tokens = self.tokens
         types = self.meta.array("tokenizer.ggml.token_type", "int") or []
         merges = self._merges()
-        alphabet = _byte_alphabet()
+        alphabet = byte_to_char()
         spelt = set(alphabet.values())
         # Tokens are stored in the byte alphabet already; one that is not (an added token
         # written as plain text) is spelt in it, as transformers does.

@@ -19,23 +19,14 @@ from tokenizers import decoders
 
 from ninfer_core.sampling import TokenLogprobs
 from ninfer_core.text import Tokenizer
+from ninfer_core.text.byte_level import char_to_byte
 from ninfer_plugins.frontend_openai import wire
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-@cache
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte -> printable character table, inverted (what byte-level BPE stores)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+#: A byte-level vocabulary entry's characters -> its bytes.
+_BYTE_LEVEL = cache(char_to_byte)
 
 
 class TokenTexts:
@@ -58,7 +49,7 @@ class TokenTexts:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is not None and token_id not in self._special:
             if self._byte_level:
-                alphabet = _byte_level_alphabet()
+                alphabet = _BYTE_LEVEL()
                 if all(c in alphabet for c in piece):
                     return bytes(alphabet[c] for c in piece)
             match = _BYTE_FALLBACK.fullmatch(piece)
