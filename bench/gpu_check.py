@@ -559,30 +559,19 @@ def timed_generation(
 ) -> None:
     """One greedy request through the engine, after a warm-up one, as `ninfer bench
     decode` times it (`ninfer_core.bench.decode.run_ninfer`)."""
-    from ninfer_core.engine.request import GenerationRequest
-    from ninfer_core.generation import GenerationStats, one_request_engine, stream
+    from ninfer_core.bench.greedy import greedy_stats
+    from ninfer_core.generation import one_request_engine
     from ninfer_core.kernels.compose import kernel_line
     from ninfer_core.loading import load_model
     from ninfer_core.plugin_host import create_host
-    from ninfer_core.sampling import SamplingParams
 
     host = create_host(warn=False)
     engine = None
     try:
         loaded = load_model(path, host=host, device=run.device, runtime=runtime)
         engine = one_request_engine(loaded, host=host, device=run.device, runtime=runtime)
-
-        def generate(n: int) -> GenerationStats:
-            stats = GenerationStats()
-            request = GenerationRequest(
-                prompt, SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True
-            )
-            for _ in stream(engine, request, stats):
-                pass
-            return stats
-
-        generate(4)
-        stats = generate(new)
+        greedy_stats(engine, prompt, 4)
+        stats = greedy_stats(engine, prompt, new)
         print(
             f"  {label:<32} prefill {stats.prefill_tok_s:8.0f} tok/s  decode "
             f"{stats.decode_tok_s:7.1f} tok/s  {kernel_line(loaded.kernels)}"

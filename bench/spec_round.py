@@ -103,15 +103,14 @@ def build(loaded, host, device, dtype: str, compile_decode: bool, k: int, draft:
 
 
 def main() -> None:
+    from ninfer_core.bench.greedy import greedy_stats
     from ninfer_core.bench.spec_prompts import class_prompts
     from ninfer_core.builtin_model import default_model
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
-    from ninfer_core.engine.request import GenerationRequest
-    from ninfer_core.generation import PromptText, stream
+    from ninfer_core.generation import PromptText
     from ninfer_core.loading import load_model
     from ninfer_core.plugin_host import create_host
-    from ninfer_core.sampling import SamplingParams
     from ninfer_core.text import Tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -143,11 +142,8 @@ def main() -> None:
             clock.seconds.clear()
             clock.steps, clock.step_seconds = 0, 0.0
             for _, prompt in prompts:
-                req = GenerationRequest(prompt, SamplingParams(temperature=0.0),
-                                        max_tokens=args.new, ignore_eos=True)  # fmt: skip
                 clock.skip_next = True
-                for _ in stream(engine, req):
-                    pass
+                greedy_stats(engine, prompt, args.new)
             if run == 0:
                 continue
             per = clock.step_seconds / clock.steps

@@ -77,6 +77,14 @@ def test_the_models_are_built_once_and_reused(tmp_path):
         context_models.ensure_models("tiny", tmp_path)
 
 
+def test_a_model_whose_config_does_not_parse_is_written_again(tmp_path):
+    first = context_models.ensure_models("tiny", tmp_path)
+    (first["dense"] / "config.json").write_text("{not json")
+    again = context_models.ensure_models("tiny", tmp_path)
+    written = json.loads((again["dense"] / "config.json").read_text())
+    assert written == context_models.dense_config(context_models.SIZES["tiny"])
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -19,11 +19,11 @@ from engine_helpers import prompt
 from hybrid_helpers import (
     LAYER_TYPES,
     TOL,
-    engine,
-    greedy_request,
+    check_chunked_prefill_then_decode,
+    check_greedy_generation,
+    check_one_shot_prefill,
     load_fp32,
     new_sequence,
-    reference_greedy,
     reference_logits,
     runner_for,
     save_perturbed,
@@ -123,36 +123,15 @@ def test_the_planned_weight_count_is_the_plans(hybrid):
 
 
 def test_one_shot_prefill_matches_transformers(hybrid):
-    reference = hybrid[0]
-    ids = prompt(40, seed=1)
-    runner = runner_for(hybrid)
-    ours = runner.run([(new_sequence(runner, ids), len(ids))], all_tokens=True)
-    assert (ours - reference_logits(reference, ids)).abs().max().item() <= TOL
+    check_one_shot_prefill(hybrid)
 
 
 def test_uneven_chunked_prefill_then_decode_matches_transformers(hybrid):
-    """13 + 27 prompt tokens (the states carried between the chunks), then 8 decode
-    steps of one token: every row equals transformers' one pass over all 48."""
-    reference = hybrid[0]
-    ids = prompt(48, seed=2)
-    ref = reference_logits(reference, ids)
-    runner = runner_for(hybrid)
-    seq = new_sequence(runner, ids)
-    rows = [runner.run([(seq, 13)], all_tokens=True), runner.run([(seq, 27)], all_tokens=True)]
-    rows += [runner.run([(seq, 1)]) for _ in range(8)]
-    ours = torch.cat(rows)
-    assert ours.shape == ref.shape
-    assert (ours[:40] - ref[:40]).abs().max().item() <= TOL
-    assert (ours[40:] - ref[40:]).abs().max().item() <= TOL
+    check_chunked_prefill_then_decode(hybrid)
 
 
 def test_greedy_generation_matches_transformers_generate(hybrid):
-    reference = hybrid[0]
-    ids = prompt(20, seed=3)
-    expected = reference_greedy(reference, ids, 24)
-    (result,) = engine(hybrid).generate([greedy_request("a", ids, 24)])
-    assert result.token_ids == expected
-    assert len(set(expected)) > 3  # a model that repeats one token would test nothing
+    check_greedy_generation(hybrid, 24)
 
 
 def test_a_multimodal_checkpoint_loads_as_its_text_model(hybrid, tmp_path):

@@ -156,9 +156,7 @@ def ensure_checkpoint(path: Path | None = None) -> Path:
     from safetensors.torch import save_file
 
     path = Path(path) if path else default_dir()
-    config_file = path / "config.json"
-    weights = path / "model.safetensors"
-    if weights.is_file() and config_file.is_file() and _read_json(config_file) == CONFIG:
+    if is_current(path, CONFIG):
         return path
     taken = f"{path}: exists and is not a benchmark checkpoint; pick another"
     with model_folder(path, taken=taken) as tmp:
@@ -174,6 +172,19 @@ def ensure_checkpoint(path: Path | None = None) -> Path:
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
         save_file(state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def is_current(path: Path, config: dict) -> bool:
+    """Whether the model folder `path` was written for `config`: its weights are there and
+    its `config.json` equals `config` (one that does not parse is not). Every bench model
+    folder is reused on this test and rewritten (`model_folder`) otherwise, so a change of
+    config is never run on old weights."""
+    config_file = path / "config.json"
+    return (
+        (path / "model.safetensors").is_file()
+        and config_file.is_file()
+        and _read_json(config_file) == config
+    )
 
 
 @contextlib.contextmanager

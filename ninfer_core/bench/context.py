@@ -24,8 +24,10 @@ import torch
 
 from ninfer_core.bench.context_models import MAX_POSITIONS, SIZES, ensure_models
 from ninfer_core.bench.decode import DTYPES, WARMUP_TOKENS, CpuShare
+from ninfer_core.bench.greedy import greedy_stats
 from ninfer_core.config import opt
 from ninfer_core.errors import NInferError
+from ninfer_core.model.caches import ModelCaches, caches_for
 
 MODELS = ("hybrid", "dense")
 
@@ -79,17 +81,8 @@ class _Model:
 
     def generate(self, prompt: list[int], new: int) -> tuple[Any, float]:
         """One greedy request: (its `GenerationStats`, the CPU share it got)."""
-        from ninfer_core.engine.request import GenerationRequest
-        from ninfer_core.generation import GenerationStats, stream
-        from ninfer_core.sampling import SamplingParams
-
-        stats = GenerationStats()
-        request = GenerationRequest(
-            prompt, SamplingParams(temperature=0.0), max_tokens=new, ignore_eos=True
-        )
         with CpuShare() as cpu:
-            for _ in stream(self.engine, request, stats):
-                pass
+            stats = greedy_stats(self.engine, prompt, new)
         return stats, cpu.share
 
 
@@ -107,32 +100,26 @@ def _open(name: str, path: Path, dtype: str, context: int) -> _Model:
     return _Model(name, path, loaded, engine)
 
 
-def describe(path: Path, dtype: str) -> dict[str, Any]:
+def describe(path: Path, dtype: str, caches: ModelCaches) -> dict[str, Any]:
     """Parameters (from the tensor headers), layers and what a token costs in cache:
-    KV bytes per token (full-attention layers, K and V at the compute dtype) and the
-    fixed per-sequence state of the linear-attention layers (fp32)."""
+    KV bytes per token (the paged layers, K and V at the compute dtype) and the fixed
+    per-sequence state of the others. The caches are the ones the model's family declares
+    (`model.caches.caches_for`, what the engine allocates), not worked out again here."""
     from ninfer_core.loading import opened_artifact
     from ninfer_core.model.weight_budget import held_weights
 
     with opened_artifact(path) as artifact:
-        config, params = dict(artifact.config), held_weights(artifact)
-    types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
-    full = types.count("full_attention")
-    kv_width = 2 * config["num_key_value_heads"] * config["head_dim"]
-    state = 0
-    if "linear_num_value_heads" in config:
-        hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
-        dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
-        conv = (2 * hk * dk + hv * dv) * (config.get("linear_conv_kernel_dim", 4) - 1)
-        state = (len(types) - full) * (hv * dk * dv + conv) * 4
+        architecture, params = artifact.config["architectures"][0], held_weights(artifact)
+    paged = caches.paged
+    kv_width = 2 * paged[0].num_kv_heads * paged[0].head_dim if paged else 0
     return {
         "path": str(path),
-        "architecture": config["architectures"][0],
+        "architecture": architecture,
         "parameters": params,
-        "layers": len(types),
-        "full_attention_layers": full,
-        "kv_bytes_per_token": full * kv_width * DTYPES[dtype].itemsize,
-        "state_bytes_per_sequence": state,
+        "layers": len(caches.layers),
+        "full_attention_layers": len(paged),
+        "kv_bytes_per_token": len(paged) * kv_width * DTYPES[dtype].itemsize,
+        "state_bytes_per_sequence": caches.state_bytes_per_sequence,
     }
 
 
@@ -170,6 +157,7 @@ def run_bench(
                      "kernel_ops": [c.to_json() for c in m.loaded.kernels]}
             for m in models
         }  # fmt: skip
+        caches = {m.name: caches_for(m.loaded.family, m.loaded.config) for m in models}
     finally:
         for model in models:
             model.engine.close()
@@ -181,7 +169,9 @@ def run_bench(
         "repeats": cfg.repeats,
         "load_average": [load_before, os.getloadavg()],
         "torch": torch.__version__,
-        "models": {name: describe(paths[name], cfg.dtype) | loaded[name] for name in MODELS},
+        "models": {
+            name: describe(paths[name], cfg.dtype, caches[name]) | loaded[name] for name in MODELS
+        },
         "rows": _rows(contexts, points),
     }
 

@@ -199,9 +199,7 @@ def ensure_models(size: str, out: Path | None = None) -> dict[str, Path]:
         ("dense", dense_config(shape), checkpoint.state_dict),
     ):
         path = base / f"{name}-{size}"
-        config_file = path / "config.json"
-        fresh = (path / "model.safetensors").is_file() and config_file.is_file()
-        if not (fresh and json.loads(config_file.read_text()) == config):
+        if not checkpoint.is_current(path, config):
             write_folder(path, config, draw(config))
         made[name] = path
     return made

@@ -137,13 +137,12 @@ def run_ninfer(
     warm-up generation compiles the decode step (`engine/compiled_step.py`), and
     `EngineRun.compiled` says whether the timed runs used it. `activation_dtype` is
     `--activation-dtype` (int8: prefill linears over quantized weights in W8A8/W4A8)."""
+    from ninfer_core.bench.greedy import greedy_stats
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
-    from ninfer_core.engine.request import GenerationRequest
-    from ninfer_core.generation import GenerationStats, one_request_engine, stream
+    from ninfer_core.generation import one_request_engine
     from ninfer_core.loading import load_model
     from ninfer_core.plugin_host import create_host
-    from ninfer_core.sampling import SamplingParams
 
     host, device = create_host(), probe_device()
     runtime = RuntimeConfig(dtype=dtype, max_context=max(4096, len(prompt) + new + 1),
@@ -153,20 +152,12 @@ def run_ninfer(
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
     kernel_ops = [c.to_json() for c in loaded.kernels]
 
-    def generate(n: int) -> GenerationStats:
-        stats = GenerationStats()
-        request = GenerationRequest(prompt, SamplingParams(temperature=0.0), max_tokens=n,
-                                    ignore_eos=True)  # fmt: skip
-        for _ in stream(engine, request, stats):
-            pass
-        return stats
-
     try:
-        generate(WARMUP_TOKENS)
+        greedy_stats(engine, prompt, WARMUP_TOKENS)
         runs = []
         for _ in range(repeats):
             with CpuShare() as cpu:
-                stats = generate(new)
+                stats = greedy_stats(engine, prompt, new)
             runs.append(EngineRun(stats.prefill_tok_s, stats.decode_tok_s,
                                   list(stats.token_ids), cpu.share, kernel_ops))  # fmt: skip
         best = best_of(runs)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ninfer_core.bench.greedy import greedy_stats
 from ninfer_core.bench.spec_prompts import CLASSES, ContentClass
 from ninfer_core.config import opt
 from ninfer_core.errors import NInferError, UnsupportedChoiceError
@@ -349,19 +350,6 @@ def _build_engines(
     return engines, skipped, head.info if used else None
 
 
-def _generate(engine, prompt: list[int], new: int):
-    from ninfer_core.engine.request import GenerationRequest
-    from ninfer_core.generation import GenerationStats, stream
-    from ninfer_core.sampling import SamplingParams
-
-    stats = GenerationStats()
-    request = GenerationRequest(prompt, SamplingParams(temperature=0.0), max_tokens=new,
-                                ignore_eos=True)  # fmt: skip
-    for _ in stream(engine, request, stats):
-        pass
-    return stats
-
-
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -394,7 +382,7 @@ def _time_all(cfg, engines, prompts) -> tuple[dict, list[dict], dict[str, float 
                 for setting in order:
                     engine = engines[setting]
                     before = _snapshot(engine.spec_counters)
-                    stats = _generate(engine, ids, cfg.new)
+                    stats = greedy_stats(engine, ids, cfg.new)
                     record = timed[setting, cls]
                     seconds = record.seconds.get(name, float("inf"))
                     record.seconds[name] = min(seconds, stats.decode_seconds)
@@ -487,7 +475,7 @@ def run_bench(cfg: SpecBenchConfig, model: str | None = None) -> dict[str, Any]:
         try:
             first = next(iter(prompts.values()))[0][1]
             for engine in engines.values():
-                _generate(engine, first, WARMUP_TOKENS)
+                greedy_stats(engine, first, WARMUP_TOKENS)
             timed, mismatches, cpu_share = _time_all(cfg, engines, prompts)
         finally:
             for engine in engines.values():

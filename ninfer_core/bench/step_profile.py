@@ -197,13 +197,10 @@ class StepProfiler:
 def profile_decode(engine: Any, prompt: list[int], new: int) -> StepBreakdown:
     """The breakdown of the decode steps of one greedy request of `prompt` for `new`
     tokens through `engine` (its prefill step left out)."""
-    from ninfer_core.engine.request import GenerationRequest
+    from ninfer_core.bench.greedy import greedy_request
     from ninfer_core.generation import GenerationStats, stream
-    from ninfer_core.sampling import SamplingParams
 
-    request = GenerationRequest(
-        prompt, SamplingParams(temperature=0.0), max_tokens=new, ignore_eos=True
-    )
+    request = greedy_request(prompt, new)
     stats = GenerationStats()
     with StepProfiler(engine) as profiler:
         prefilled = False

@@ -16,7 +16,7 @@ from typing import Any
 from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.artifact import ArtifactBenchConfig
 from ninfer_core.bench.context import ContextBenchConfig
-from ninfer_core.bench.decode import DecodeBenchConfig, TimedRunConfig
+from ninfer_core.bench.decode import DecodeBenchConfig
 from ninfer_core.bench.engine import EngineBenchConfig
 from ninfer_core.bench.gguf import GGUFBenchConfig
 from ninfer_core.bench.isolation import IsolationBenchConfig
@@ -44,7 +44,7 @@ def _bench(
     p = benches.add_parser(name, help=help, description=description)
     p.add_argument("model", nargs="?", help=f"model folder (default: {default})")
     add_config_arguments(p, config)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, bench_config=config)
     return p
 
 
@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "time, peak RSS) and decodes greedily with each (tok/s against the bf16 run).",
     )  # fmt: skip
     _bench(
-        benches, "gguf", GGUFBenchConfig, run_gguf,
+        benches, "gguf", GGUFBenchConfig, run_module_bench,
         help="prefill/decode tok/s of a GGUF kept quantized, its bf16 conversion, llama.cpp",
         description="Prefill and decode tok/s of a GGUF file run by NInfer with its "
         "Q4_0/Q4_1/Q8_0 weights kept quantized (bf16 compute, int4 kernel), by NInfer on a "
@@ -113,14 +113,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="the small built-in model",
     )  # fmt: skip
     _bench(
-        benches, "threads", ThreadsBenchConfig, run_threads,
+        benches, "threads", ThreadsBenchConfig, run_module_bench,
         help="decode ms/token by thread count and OpenMP wait policy, with busy-loop hogs",
         description="Each configuration in a child process (the wait policy is read when "
         "OpenMP loads), quiet and beside one busy-looping process per core.",
         default="the small built-in model",
     )  # fmt: skip
     _bench(
-        benches, "spec", SpecBenchConfig, run_spec,
+        benches, "spec", SpecBenchConfig, run_module_bench,
         help="speculative decoding per content class: acceptance, tok/s against no speculation",
         description="Greedy generations of bundled code, JSON tool-call and prose prompts by "
         "each draft strategy at each draft count and by an engine without speculation, "
@@ -152,12 +152,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
          "thousands of mixed requests; the server's RSS after warm-up, at the end, at peak"),
     ):  # fmt: skip
         b = _bench(
-            benches, name, config, run_server_bench, help=help_text,
+            benches, name, config, run_module_bench, help=help_text,
             description=f"Runs ninfer-serve MODEL in a child process: {help_text}.",
             default="the small built-in model",
         )  # fmt: skip
         b.add_argument("--json", dest="as_json", action="store_true", help="machine-readable")
-        b.set_defaults(bench_module=f"ninfer_core.bench.{name}", bench_config=config)
 
 
 def _emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> int:
@@ -182,7 +181,8 @@ def run(ns: argparse.Namespace) -> int:
     return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
 
 
-def _check(cfg: TimedRunConfig | ContextBenchConfig) -> None:
+def _check(cfg: Any) -> None:
+    """`cfg.check()`, its ValueError (a setting no run can use) an NInferError for the CLI."""
     try:
         cfg.check()
     except ValueError as exc:
@@ -212,14 +212,6 @@ def _load(model: str | None, default, dtype: str):
         host,
         device,
     )
-
-
-def run_gguf(ns: argparse.Namespace) -> int:
-    from ninfer_core.bench.gguf import render, run_bench
-
-    cfg = config_from_args(GGUFBenchConfig, ns)
-    _check(cfg)
-    return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
 
 
 def run_engine(ns: argparse.Namespace) -> int:
@@ -316,13 +308,18 @@ def run_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-def run_server_bench(ns: argparse.Namespace) -> int:
-    """`ninfer bench isolation|soak`: the module's run_bench, printed by its render."""
+def run_module_bench(ns: argparse.Namespace) -> int:
+    """`ninfer bench gguf|threads|spec|isolation|soak`: the module that defines the bench's
+    config (`ns.bench_config`) runs it (`run_bench(cfg, model)`) and prints it (`render`).
+    One function for every bench that needs nothing more, so they check, run and print
+    alike; a config with `check()` fails on a bad option before any model loads."""
     import importlib
 
-    module = importlib.import_module(ns.bench_module)
-    result = module.run_bench(config_from_args(ns.bench_config, ns), ns.model)
-    return _emit(result, ns.as_json, module.render)
+    module = importlib.import_module(ns.bench_config.__module__)
+    cfg = config_from_args(ns.bench_config, ns)
+    if hasattr(cfg, "check"):
+        _check(cfg)
+    return _emit(module.run_bench(cfg, ns.model), ns.as_json, module.render)
 
 
 def run_memory(ns: argparse.Namespace) -> int:
@@ -337,20 +334,4 @@ def run_memory(ns: argparse.Namespace) -> int:
     torch.set_num_threads(max(cfg.threads, 1))
     loaded, host, device = _load(ns.model, default_model, cfg.dtype)
     result = run_phases(loaded, host, device, cfg)
-    return _emit(result, cfg.as_json, render)
-
-
-def run_spec(ns: argparse.Namespace) -> int:
-    from ninfer_core.bench.spec import render, run_bench
-
-    cfg = config_from_args(SpecBenchConfig, ns)
-    cfg.check()  # a bad list fails before any model loads
-    return _emit(run_bench(cfg, ns.model), cfg.as_json, render)
-
-
-def run_threads(ns: argparse.Namespace) -> int:
-    from ninfer_core.bench.threads import render, run_bench
-
-    cfg = config_from_args(ThreadsBenchConfig, ns)
-    result = run_bench(cfg, ns.model)
     return _emit(result, cfg.as_json, render)
