@@ -27,6 +27,15 @@ pytest.importorskip("accelerate", reason="transformers loads GGUF files only wit
 from checkpoints import tiny_llama_config, tiny_qwen3_config  # noqa: E402
 from text_fixtures import CORPUS, SPECIALS, train_backend  # noqa: E402
 
+from ninfer_core.bench.gguf_write import (  # noqa: E402
+    Vocab,
+    add_hparams,
+    add_vocab,
+    add_weights,
+    bpe_vocab,
+    gguf_name,
+    write_file,
+)
 from ninfer_core.cli.main import main  # noqa: E402
 from ninfer_core.engine import RuntimeSpec, Sequence, assemble_runtime  # noqa: E402
 from ninfer_core.errors import ModelLoadError  # noqa: E402
@@ -49,45 +58,10 @@ TEMPLATE = (
 # Writing GGUF files as llama.cpp's converter does
 # --------------------------------------------------------------------------
 
-_BLOCK = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}  # fmt: skip
-_TOP = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 
-
-def gguf_name(hf: str) -> str:
-    if hf in _TOP:
-        return _TOP[hf]
-    parts = hf.split(".")  # model.layers.N.<module...>.<weight|bias>
-    return f"blk.{parts[2]}.{_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
-
-
-def permute(w, n_head: int):
-    """llama.cpp's `LlamaModel.permute`: each head's rotary halves interleaved row-wise."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def vocabulary(size: int) -> tuple[list[str], list[str]]:
-    """(tokens by id, merges) of a byte-level BPE trained on `CORPUS`."""
-    doc = json.loads(train_backend(vocab_size=size).to_str())
-    vocab = doc["model"]["vocab"]
-    tokens = [""] * len(vocab)
-    for token, i in vocab.items():
-        tokens[i] = token
-    merges = [m if isinstance(m, str) else " ".join(m) for m in doc["model"]["merges"]]
-    return tokens, merges
+def vocabulary(size: int) -> Vocab:
+    """A byte-level BPE trained on `CORPUS` (its special tokens CONTROL)."""
+    return bpe_vocab(json.loads(train_backend(vocab_size=size).to_str()))
 
 
 def write_gguf(
@@ -101,56 +75,23 @@ def write_gguf(
     tokenizer: bool = True,
     edit=None,
 ) -> Path:
-    """`model` (a transformers decoder) as a GGUF of `arch`; `types`: GGUF name -> ggml type."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    """`model` (a transformers decoder) as a GGUF of `arch`, every tensor F32 unless `types`
+    (GGUF name -> ggml type) says otherwise; the writing is `ninfer_core.bench.gguf_write`'s."""
+    cfg = model.config.to_dict()
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_hparams(w, cfg)
     if tokenizer:
-        tokens, merges = vocabulary(cfg.vocab_size)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-        w.add_token_merges(merges)
-        w.add_bos_token_id(tokens.index("<|im_start|>"))
-        w.add_eos_token_id(tokens.index("<|im_end|>"))
-        w.add_pad_token_id(tokens.index("<|endoftext|>"))
-        w.add_add_bos_token(add_bos)
-        w.add_chat_template(TEMPLATE)
+        vocab = vocabulary(cfg["vocab_size"])
+        ids = {t: vocab.tokens.index(t) for t in SPECIALS}
+        add_vocab(
+            w, vocab, pre=pre, bos=ids["<|im_start|>"], eos=ids["<|im_end|>"],
+            pad=ids["<|endoftext|>"], add_bos=add_bos, template=TEMPLATE,
+        )  # fmt: skip
     if edit is not None:
         edit(w)
-    tied = cfg.tie_word_embeddings
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue  # llama.cpp writes no output.weight for a tied head
-        a = tensor.float().numpy()
-        if arch in ("llama", "mistral") and ".q_proj." in name:
-            a = permute(a, cfg.num_attention_heads)
-        if arch in ("llama", "mistral") and ".k_proj." in name:
-            a = permute(a, cfg.num_key_value_heads)
-        g = gguf_name(name)
-        kind = (types or {}).get(g)
-        if kind is None:
-            w.add_tensor(g, a.copy())
-        elif kind == Q.F16:
-            w.add_tensor(g, a.astype("float16"))
-        else:
-            w.add_tensor(g, gguf.quants.quantize(a, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tensors = ((n, t.float().numpy()) for n, t in model.state_dict().items())
+    add_weights(w, arch, cfg, tensors, matrices=Q.F32, types=types)
+    write_file(w)
     return path
 
 
