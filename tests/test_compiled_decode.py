@@ -3,8 +3,9 @@
 A tiny Qwen3-shaped checkpoint (q/k norms, grouped KV heads, a tied head), prompts that
 cross page boundaries while decoding (the page table's length is the graph's one
 dynamic size): fp32 gives the eager path's greedy ids and logits to float rounding; bf16
-logits stay within bf16's own distance of the eager ones (the fused kernels round once
-where eager ops round after each op). A step the graph does not take (prefill, two
+logits, over int4-kernel weights and over dense weights in oneDNN's packed layout, stay
+within bf16's own distance of the eager ones (the fused kernels round once where eager
+ops round after each op). A step the graph does not take (prefill, two
 sequences) runs eagerly; a graph that fails to compile leaves the engine decoding eagerly
 with the same text.
 """
@@ -23,6 +24,7 @@ from ninfer_core.engine.compiled_step import CompiledDecode, capture_refusal
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.generation import one_request_engine
+from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
@@ -68,8 +70,7 @@ def decode(engine, n: int = NEW) -> tuple[list[int], torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def q4(folder):
-    """The checkpoint's matrices as Q4G64: bf16 runs them on the int4 kernel (a dense bf16
-    matrix is in oneDNN's packed layout, which the compiler refuses)."""
+    """The checkpoint's matrices as Q4G64: bf16 runs them on the int4 kernel."""
     out = folder.parent / "q4.ninfer"
     convert(folder, out, recipe_name="q4")
     return out
@@ -78,14 +79,17 @@ def q4(folder):
 @pytest.fixture(scope="module")
 def runs(folder, q4):
     out = {}
-    for dtype, path in (("fp32", folder), ("bf16", q4)):
-        eager = decode(engine_for(path, dtype, False))
-        engine = engine_for(path, dtype, True)
+    for dtype, path in (("fp32", folder), ("bf16", q4), ("bf16-dense", folder)):
+        eager = decode(engine_for(path, dtype[:4], False))
+        engine = engine_for(path, dtype[:4], True)
         compiled = engine.runner.compiled
         assert compiled is not None, capture_refusal(engine.runner.model, engine.runner.kv_store)
         got = decode(engine)
         assert compiled.failed is None, compiled.failed
         assert compiled.steps == NEW  # every decode step, through one graph
+        if dtype == "bf16-dense":  # the graph called oneDNN on the eager path's weights
+            held = [v for m in engine.runner.model.modules() for v in vars(m).values()]
+            assert sum(isinstance(v, OneDNNLinear) for v in held) >= 6
         out[dtype] = eager, got, engine
     return out
 
@@ -96,8 +100,9 @@ def test_fp32_compiled_decode_is_the_eager_decode(runs):
     assert (got_logits - logits).abs().max().item() <= 1e-4
 
 
-def test_bf16_compiled_logits_stay_within_bf16_of_eager(runs):
-    (ids, logits), (got_ids, got_logits), _ = runs["bf16"]
+@pytest.mark.parametrize("weights", ["bf16", "bf16-dense"])
+def test_bf16_compiled_logits_stay_within_bf16_of_eager(runs, weights):
+    (ids, logits), (got_ids, got_logits), _ = runs[weights]
     rel = ((got_logits - logits).norm() / logits.norm()).item()
     assert rel < 2e-2, rel  # bf16 carries 8 bits: a few roundings apart
     # greedy: the same ids until a near-tie (random weights) may part them
@@ -183,10 +188,6 @@ def test_refusals_name_the_reason(folder):
         write_layers, gather_heads, rotation = None, object(), None
 
     assert "write_layers" in capture_refusal(model, LayerByLayer())
-    dense_bf16 = engine_for(folder, "bf16", True)  # refused at build: decodes eagerly
-    assert dense_bf16.runner.compiled is None
-    refusal = capture_refusal(dense_bf16.runner.model, dense_bf16.runner.kv_store)
-    assert "oneDNN's packed layout" in refusal
 
 
 def greedy_rows(engine, ids: list[int], n: int, forced: list[int] | None = None):

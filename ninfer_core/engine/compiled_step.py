@@ -51,16 +51,7 @@ def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
         )
     if model.ops.device.type != "cpu":
         return "only the CPU decode step is compiled (GPUs get their own kernels)"
-    if (refused := store_refusal(kv_store)) is not None:
-        return refused
-    if any(opaque(value) for m in model.modules() for value in vars(m).values()) or any(
-        opaque(p) for p in model.parameters()
-    ):
-        return (
-            "dense bf16 weights are in oneDNN's packed layout, which the compiler cannot "
-            "read (quantized weights on the int4 kernel and fp32 weights can be compiled)"
-        )
-    return None
+    return store_refusal(kv_store)
 
 
 def store_refusal(kv_store, whose: str = "the KV store") -> str | None:
@@ -72,11 +63,6 @@ def store_refusal(kv_store, whose: str = "the KV store") -> str | None:
     if kv_store.rotation is not None:
         return f"{whose} keeps K and V rotated"
     return None
-
-
-def opaque(value: object) -> bool:
-    """Whether `value` is a tensor in oneDNN's packed layout, which the compiler can't read."""
-    return isinstance(value, torch.Tensor) and value.layout == torch._mkldnn
 
 
 class CompiledDecode:

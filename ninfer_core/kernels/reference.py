@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer_core.kernels import delta_rule, int8_act
+from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
@@ -64,14 +65,12 @@ class TorchOps(KernelOps):
         self._rope_tables: tuple[torch.Tensor, ...] = ()
 
     def linear(self, x, w, b=None):
-        if isinstance(w, Int4Linear):
+        if isinstance(w, (Int4Linear, OneDNNLinear)):
             return w(x, b)
         if isinstance(w, QuantizedTensor):
             if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
                 return int8_act.int8_linear(x, w, b)  # W8A8 / W4A8 prefill
             return w.linear(x, b)
-        if w.layout == torch._mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
         return F.linear(x, w, b)
 
     def pack_linear(self, w, *, dtype=None):
@@ -98,7 +97,7 @@ class TorchOps(KernelOps):
             return w
         if not self._reorders_dense(w.dtype):
             return w
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
+        return OneDNNLinear(w)
 
     def _dequantizes_once(self, dtype: torch.dtype | None) -> bool:
         """Whether `pack_linear` turns a quantized matrix the int4 kernel can't run for

@@ -30,7 +30,6 @@ from ninfer_core.engine.compiled_step import (
     call_graph,
     compile_graph,
     failure_reason,
-    opaque,
     store_refusal,
 )
 from ninfer_core.model.decode_graph import attend_with_new
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 
 def draft_round(
     layer: MTPLayer,
-    fc: torch.Tensor,
     head: DraftHead,
     embed,
     rotary,
@@ -64,8 +62,7 @@ def draft_round(
     rows real, the rest copies of the last); table: [B, P] pages covering every entry up
     to the last draft's. -> (drafts [1 + steps, B] int64; catch-up k, v [B * W, Hkv, D];
     draft steps' k, v [steps, B, Hkv, D]). `embed`: token ids -> the layer's embedding
-    input (`MTPDrafter._embed`); `rotary`: the target's; `fc`: the layer's `fc` weight in a
-    layout the compiler reads (`CompiledDraftRound`).
+    input (`MTPDrafter._embed`); `rotary`: the target's.
     """
     b = count.shape[0]
     width = ids.shape[0] // b
@@ -79,7 +76,7 @@ def draft_round(
     # The catch-up: row r attends over the cache and rows 0..r-1, as one causal forward.
     n = positions.shape[0]
     e_h = torch.cat((embed(ids), layer.pre_fc_norm_hidden(hidden)), dim=-1)
-    x = layer.ops.linear(e_h, fc).float()
+    x = layer.ops.linear(e_h, layer.fc).float()
     q, k, v = attn.project(decoder.input_layernorm(x), cos[:n], sin[:n])
     context = first + 1
     rows = torch.arange(width, device=ids.device)
@@ -102,7 +99,7 @@ def draft_round(
     for i in range(steps):
         here = ends + 1 + i  # [B]: this step's context (its entry + 1)
         e_h = torch.cat((embed(tokens[-1]), layer.pre_fc_norm_hidden(hidden)), dim=-1)
-        x = layer.ops.linear(e_h, fc).float()
+        x = layer.ops.linear(e_h, layer.fc).float()
         q, kd, vd = attn.project(decoder.input_layernorm(x), cos_d[i], sin_d[i])
         out = attend_with_new(q, k_cache, v_cache, kd, vd, attn.scale, here)
         hidden = layer.norm(decoder.mlp_block(x + attn.output(out)))
@@ -135,14 +132,6 @@ def draft_refusal(layer: torch.nn.Module, store) -> str | None:
 
     if type(layer) is not MTPLayer:
         return "the family's own MTP layer has no captured draft step"
-    packed = [
-        f"{type(m).__name__}.{name}"
-        for m in layer.modules()
-        for name, value in vars(m).items()
-        if opaque(value) and not (m is layer and name == "fc")
-    ] + [name for name, p in layer.named_parameters() if opaque(p) and name != "fc"]
-    if packed:
-        return f"{', '.join(packed)} in oneDNN's packed layout, which the compiler cannot read"
     return store_refusal(store, "the drafter's KV store")
 
 
@@ -152,11 +141,6 @@ class CompiledDraftRound:
     def __init__(self, layer: MTPLayer, head: DraftHead, embed, rotary, store, steps: int) -> None:
         self.layer, self.head, self.embed, self.store = layer, head, embed, store
         self.rotary, self.steps_after_first = rotary, steps
-        #: A dense bf16 `fc` is in oneDNN's packed layout (`pack_linear`), which the
-        #: compiler cannot read: the graph multiplies by a plain copy (the same numbers;
-        #: 2 x hidden² weights, 0.25 MiB on the built-in model). Its decoder layer's
-        #: matrices are quantized on the int4 kernel, or nothing is compiled.
-        self.fc = layer.fc.to_dense() if opaque(layer.fc) else layer.fc
         self._fn = compile_graph(draft_round)
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
@@ -187,7 +171,7 @@ class CompiledDraftRound:
         try:
             drafts, k, v, kd, vd = call_graph(
                 self._fn, False,  # its guards all checked: a module function, not own_code
-                self.layer, self.fc, self.head, self.embed, self.rotary,
+                self.layer, self.head, self.embed, self.rotary,
                 torch.tensor(ids, device=device), hidden,
                 torch.tensor(positions, device=device),
                 torch.tensor(counts, device=device), self.steps_after_first, self.store,
