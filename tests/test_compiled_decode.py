@@ -24,6 +24,7 @@ from ninfer_core.engine.compiled_step import CompiledDecode, capture_refusal
 from ninfer_core.engine.request import GenerationRequest
 from ninfer_core.engine.sequence import Sequence
 from ninfer_core.generation import one_request_engine
+from ninfer_core.kernels.cpu_gemv import GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
@@ -87,9 +88,9 @@ def runs(folder, q4):
         got = decode(engine)
         assert compiled.failed is None, compiled.failed
         assert compiled.steps == NEW  # every decode step, through one graph
-        if dtype == "bf16-dense":  # the graph called oneDNN on the eager path's weights
+        if dtype == "bf16-dense":  # the graph called the eager path's packed weights
             held = [v for m in engine.runner.model.modules() for v in vars(m).values()]
-            assert sum(isinstance(v, OneDNNLinear) for v in held) >= 6
+            assert sum(isinstance(v, (OneDNNLinear, GemvLinear)) for v in held) >= 6
         out[dtype] = eager, got, engine
     return out
 

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ninfer_core.kernels import delta_rule, int8_act
+from ninfer_core.kernels import cpu_gemv, delta_rule, int8_act
+from ninfer_core.kernels.cpu_gemv import GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
@@ -65,7 +66,7 @@ class TorchOps(KernelOps):
         self._rope_tables: tuple[torch.Tensor, ...] = ()
 
     def linear(self, x, w, b=None):
-        if isinstance(w, (Int4Linear, OneDNNLinear)):
+        if isinstance(w, (Int4Linear, OneDNNLinear, GemvLinear)):
             return w(x, b)
         if isinstance(w, QuantizedTensor):
             if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
@@ -74,9 +75,10 @@ class TorchOps(KernelOps):
         return F.linear(x, w, b)
 
     def pack_linear(self, w, *, dtype=None):
-        """On the CPU, oneDNN's blocked weight layout: decode GEMVs then stream the
-        weights at close to memory bandwidth (about 1.5-3x `F.linear` on plain
-        row-major weights here), with identical results in bf16.
+        """A dense bf16 matrix on the CPU: kept row-major for the AVX512-BF16 decode
+        GEMV (`cpu_gemv.GemvLinear`) where that is built, else reordered into oneDNN's
+        blocked layout (`OneDNNLinear`), whose GEMVs run about 1.5-3x `F.linear` over
+        row-major weights here; the same results to bf16 rounding either way.
 
         A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`. In
         any other dtype on the CPU (fp32, fp16) it is dequantized once, here, into a
@@ -97,7 +99,7 @@ class TorchOps(KernelOps):
             return w
         if not self._reorders_dense(w.dtype):
             return w
-        return OneDNNLinear(w)
+        return GemvLinear(w) if cpu_gemv.available() else OneDNNLinear(w)
 
     def _dequantizes_once(self, dtype: torch.dtype | None) -> bool:
         """Whether `pack_linear` turns a quantized matrix the int4 kernel can't run for
@@ -105,7 +107,7 @@ class TorchOps(KernelOps):
         return self.device.type == "cpu" and dtype is not None and dtype.is_floating_point
 
     def _reorders_dense(self, dtype: torch.dtype | None) -> bool:
-        """Whether `pack_linear` reorders a dense matrix of `dtype` into oneDNN's layout."""
+        """Whether `pack_linear` wraps a dense matrix of `dtype` (`GemvLinear`, `OneDNNLinear`)."""
         return self.device.type == "cpu" and dtype == torch.bfloat16 and _MKLDNN
 
     def packed_nbytes(self, fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
@@ -121,9 +123,9 @@ class TorchOps(KernelOps):
             if self._dequantizes_once(dtype):
                 return shape[0] * shape[1] * dtype.itemsize  # the dense matrix
             return None
-        if not self._reorders_dense(dtype):
-            return None
-        return shape[0] * shape[1] * dtype.itemsize  # the blocked layout, same bytes
+        if not self._reorders_dense(dtype) or cpu_gemv.available():
+            return None  # kept as loaded (`GemvLinear` holds the loaded matrix itself)
+        return shape[0] * shape[1] * dtype.itemsize  # oneDNN's blocked copy, same bytes
 
     def rms_norm(self, x, w, eps):
         # Statistics in fp32, then to the weight's dtype before the weight, as transformers

@@ -1,0 +1,90 @@
+"""The AVX512-BF16 decode GEMV (`ninfer_cpu::gemv_bf16`, built at run time) against float64
+matmuls: ragged shapes, several rows, the prefill fallback, a compiled graph calling it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer_core.engine.compiled_step import call_graph, compile_graph
+from ninfer_core.kernels import cpu_gemv
+from ninfer_core.kernels.cpu_gemv import GemvLinear
+from ninfer_core.kernels.reference import TorchOps
+
+pytestmark = pytest.mark.skipif(
+    not cpu_gemv.available(), reason=f"CPU GEMV not built: {cpu_gemv.unavailable()}"
+)
+
+
+def _data(out: int, inp: int, rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, inp, generator=g).to(torch.bfloat16)
+    return w, x
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # fp32 sums rounded once to bf16: within bf16's half-ulp of each output, plus the
+    # fp32 summation's own error (far smaller at these K).
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-3 * want.abs().max()).all(), err.max().item()
+
+
+@pytest.mark.parametrize(
+    ("rows", "out", "inp"),
+    [(1, 960, 576), (1, 37, 33), (3, 100, 100), (8, 17, 64), (16, 576, 1536), (1, 9, 31)],
+)
+def test_gemv_is_the_matmul(rows, out, inp):
+    w, x = _data(out, inp, rows)
+    _check(cpu_gemv.gemv_bf16(x, w), x, w)
+
+
+def test_a_wrong_input_is_refused_with_the_reason():
+    w, x = _data(8, 32, 1)
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        cpu_gemv.gemv_bf16(x.float(), w.float())
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
+        cpu_gemv.gemv_bf16(x[:, :16], w)
+
+
+def test_the_linear_takes_the_gemv_for_decode_and_f_linear_for_prefill(monkeypatch):
+    w, x = _data(48, 80, GemvLinear.MAX_ROWS + 4, seed=2)
+    b = torch.randn(48).to(torch.bfloat16)
+    lin = TorchOps("cpu").pack_linear(w)
+    assert isinstance(lin, GemvLinear) and lin.weight.data_ptr() == w.data_ptr()  # no copy
+    calls = []
+    real = cpu_gemv.gemv_bf16
+    monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda *a: calls.append(1) or real(*a))
+    _check(lin(x[:1]), x[:1], w)
+    _check(lin(x[: GemvLinear.MAX_ROWS]), x[: GemvLinear.MAX_ROWS], w)
+    assert len(calls) == 2
+    _check(lin(x), x, w)  # more rows: a dense GEMM
+    assert len(calls) == 2
+    got = lin(x[:2], b)
+    want = x[:2].double() @ w.double().T + b.double()
+    assert (got.double() - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    assert lin.nbytes == w.numel() * 2 and lin.shape == w.shape
+
+
+def test_a_compiled_graph_calls_the_operator():
+    w, x = _data(40, 96, 2, seed=3)
+    lin = GemvLinear(w)
+
+    def fn(x):
+        return torch.relu(lin(x * 2)) + 1
+
+    got = call_graph(compile_graph(fn), False, x)  # as the decode step compiles
+    assert torch.equal(got, fn(x))
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("NINFER_CPU_GEMV", "0")
+    cpu_gemv.unavailable.cache_clear()
+    try:
+        assert cpu_gemv.unavailable() == "NINFER_CPU_GEMV=0" and not cpu_gemv.available()
+    finally:
+        monkeypatch.delenv("NINFER_CPU_GEMV")
+        cpu_gemv.unavailable.cache_clear()
+        assert cpu_gemv.available()
