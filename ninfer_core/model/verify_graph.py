@@ -40,6 +40,22 @@ if TYPE_CHECKING:
     from ninfer_core.model.layers import Attention
 
 
+def new_at_keys(
+    old: torch.Tensor, new: torch.Tensor, context: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each sequence's new entries go among the gathered keys.
+
+    old: [B, Hkv, L, D]; new: [B * width, Hkv, D]; context: [B], row 0's context ->
+    (rel [B, L]: key l's offset from the sequence's first new entry, at `context - 1`;
+    at [B, Hkv, L, D]: the new entry `rel` names, clamped to 0 .. width - 1, which the
+    caller keeps only where `rel` says the key holds one)."""
+    b, hkv, length, d = old.shape
+    rel = torch.arange(length, device=old.device)[None, :] - (context - 1)[:, None]  # [B, L]
+    index = rel.clamp(0, width - 1)[:, None, :, None].expand(b, hkv, length, d)
+    at = torch.gather(new.view(b, width, hkv, d).transpose(1, 2), 2, index)  # [B, Hkv, L, D]
+    return rel, at
+
+
 def with_earlier_rows(
     old: torch.Tensor, new: torch.Tensor, context: torch.Tensor, width: int
 ) -> torch.Tensor:
@@ -51,9 +67,7 @@ def with_earlier_rows(
     new[b, j] at key `context[b] - 1 + j` for j < r, else `old[b]`.
     """
     b, hkv, length, d = old.shape
-    rel = torch.arange(length, device=old.device)[None, :] - (context - 1)[:, None]  # [B, L]
-    index = rel.clamp(0, width - 1)[:, None, :, None].expand(b, hkv, length, d)
-    at = torch.gather(new.view(b, width, hkv, d).transpose(1, 2), 2, index)  # [B, Hkv, L, D]
+    rel, at = new_at_keys(old, new, context, width)
     rows = torch.arange(width, device=old.device)[None, :, None]  # [1, W, 1]
     earlier = (rel[:, None, :] >= 0) & (rel[:, None, :] < rows)  # [B, W, L]
     out = torch.where(earlier[:, :, None, :, None], at[:, None], old[:, None])

@@ -33,7 +33,7 @@ from ninfer_core.engine.compiled_step import (
     store_refusal,
 )
 from ninfer_core.model.decode_graph import attend_with_new
-from ninfer_core.model.verify_graph import with_earlier_rows
+from ninfer_core.model.verify_graph import new_at_keys, with_earlier_rows
 
 if TYPE_CHECKING:
     from ninfer_core.spec.draft_head import DraftHead
@@ -118,10 +118,7 @@ def _with_rows(
 ) -> torch.Tensor:
     """`old` [B, Hkv, L, D] with each sequence's first `count` rows of `new` [B * W, Hkv,
     D] at keys `context - 1 + j` (`with_earlier_rows` for one row past the last)."""
-    b, hkv, length, d = old.shape
-    rel = torch.arange(length, device=old.device)[None, :] - (context - 1)[:, None]  # [B, L]
-    index = rel.clamp(0, width - 1)[:, None, :, None].expand(b, hkv, length, d)
-    at = torch.gather(new.view(b, width, hkv, d).transpose(1, 2), 2, index)
+    rel, at = new_at_keys(old, new, context, width)
     placed = (rel >= 0) & (rel < count[:, None])  # [B, L]
     return torch.where(placed[:, None, :, None], at, old)
 
