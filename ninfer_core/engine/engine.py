@@ -38,7 +38,7 @@ from ninfer_core.engine.admission import admitted_max_tokens, check_fan_out
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.drafting import SpecLog, draft_inputs
 from ninfer_core.engine.engine_thread import StepThread
-from ninfer_core.engine.fanout import child_params, fork
+from ninfer_core.engine.fanout import child_params, fork, release
 from ninfer_core.engine.faults import run_isolated
 from ninfer_core.engine.postprocess import Postprocessor
 from ninfer_core.engine.request import (
@@ -336,9 +336,7 @@ class Engine(StepThread):
         except Exception as exc:
             log.exception("forking request %s failed", live.request_id)
             for child in forks:
-                self.block_manager.free(child)
-                if child.state_slot is not None:
-                    self.runtime.states.free(child.state_slot)
+                release(child, self.block_manager, self.runtime.states)
             seq.fan_out = 1
             self.postprocess.fail(
                 live, f"forking its completions: {type(exc).__name__}: {exc}", events

@@ -75,6 +75,14 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
+def release(child: Sequence, bm: BlockManager, states: SequenceStatePool | None) -> None:
+    """Give back what a fork holds (its pages, its state slot): a fork that failed, or the
+    forks made before a later one failed."""
+    bm.free(child)
+    if child.state_slot is not None and states is not None:
+        states.free(child.state_slot)
+
+
 def fork(
     parent: Sequence, bm: BlockManager, kv_store, states: SequenceStatePool | None = None
 ) -> Sequence:
@@ -105,9 +113,7 @@ def fork(
             states.restore(child.state_slot, states.save(parent.state_slot))
             child.state_position = parent.state_position
     except Exception:  # nothing of a half-made fork stays held
-        bm.free(child)
-        if child.state_slot is not None:
-            states.free(child.state_slot)
+        release(child, bm, states)
         raise
     child.num_computed_tokens = parent.num_computed_tokens
     child.status = SequenceStatus.RUNNING
