@@ -206,3 +206,33 @@ def test_render_without_a_peer():
     assert "peer: none (not run (--peer none))" in out
     assert "| bf16 | 50.0 | - | - | 100.0 | 50% / -% | 800 / - | - | - | 0.95 / - |" in out
     assert "warning" not in out
+
+
+def test_a_quantized_ninfer_counts_the_bytes_the_model_holds(tmp_path):
+    """The decode ceiling of a q4 `.ninfer` counts what the loaded model holds per token
+    (the int4 kernel's codes, the norms in bf16), not every matrix at bf16: checked
+    against the loaded model's own tensors, with the tied embedding's lookup (one row
+    a token) taken out."""
+    import torch
+    from checkpoints import write_tiny_qwen3
+
+    from ninfer_core.config import RuntimeConfig
+    from ninfer_core.convert import convert
+    from ninfer_core.device import probe_device
+    from ninfer_core.loading import load_model
+    from ninfer_core.model.layers import held_bytes
+    from ninfer_core.plugin_host import create_host
+
+    folder = write_tiny_qwen3(tmp_path / "hf", num_hidden_layers=2, hidden_size=64,
+                              intermediate_size=128, vocab_size=256)  # fmt: skip
+    path = tmp_path / "q4.ninfer"
+    convert(folder, path, recipe_name="q4")
+    host, device = create_host(), probe_device(use_cuda=False)
+    loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="bf16"))
+    model = loaded.model
+    lookup = model.embed_tokens  # the tied table's own bytes: read one row a token
+    want = held_bytes(model) - lookup.nbytes  # held_bytes counts no buffers (RoPE's)
+    assert bandwidth.artifact_weight_bytes(path, torch.bfloat16) == want
+    dense = bandwidth.decode_bytes(json.loads((folder / "config.json").read_text()), 2, 2, 1)
+    assert want < dense.weights / 3  # 4-bit codes, not 2 bytes a weight
+    assert bandwidth.artifact_weight_bytes(folder, torch.bfloat16) is None  # dense: config

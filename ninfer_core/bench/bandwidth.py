@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,3 +69,44 @@ def decode_bytes(
     values = layers * (per_layer + norms) + h + config["vocab_size"] * h
     kv_per_token = 2 * layers * kv_heads * d * kv_bytes
     return DecodeBytes(weights=values * weight_bytes, kv=round(kv_per_token * context_len))
+
+
+#: The embedding table and the separate head, by their Hugging Face names.
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def artifact_weight_bytes(path: Path, dtype: torch.dtype) -> int | None:
+    """Bytes of weights a decode token reads from a `.ninfer` model computed in `dtype` on
+    the CPU, or None for a model with no quantized tensor (`decode_bytes` counts those).
+
+    Each matrix counts what the torch backend holds for it (`TorchOps.packed_nbytes`: the
+    int4 kernel's codes in bf16, a matrix dequantized once at load in other dtypes), or
+    its stored bytes where it is kept as loaded; any other tensor is held in `dtype`. The
+    embedding table is left out when a separate head exists (the lookup reads one row);
+    a tied head is the table, read in full."""
+    from ninfer_core.kernels.reference import TorchOps
+    from ninfer_core.loading import open_artifact
+    from ninfer_core.plugin_host import create_host
+    from ninfer_core.quant.formats import weight_format
+
+    artifact = open_artifact(create_host(), path)
+    if artifact.tensor_format is None:
+        return None
+    ops = TorchOps("cpu")
+    names = artifact.tensor_names()
+    if _HEAD in names:
+        names = [n for n in names if n != _EMBED]
+    total, quantized = 0, False
+    for name in names:
+        shape = tuple(int(d) for d in artifact.tensor_shape(name))
+        fmt_name = artifact.tensor_format(name)
+        fmt = weight_format(fmt_name)
+        quantized |= fmt.quantized
+        held = ops.packed_nbytes(fmt_name, shape, dtype=dtype) if len(shape) == 2 else None
+        if held is None:
+            numel = 1
+            for d in shape:
+                numel *= d
+            held = fmt.stored_nbytes(shape) if fmt.quantized else numel * dtype.itemsize
+        total += held
+    return total if quantized else None

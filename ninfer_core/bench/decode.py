@@ -208,7 +208,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
     """Every figure of the benchmark, as plain data (the CLI prints or dumps it)."""
-    from ninfer_core.bench.bandwidth import DecodeBytes, decode_bytes, measure_read_gbs
+    from ninfer_core.bench.bandwidth import (
+        DecodeBytes,
+        artifact_weight_bytes,
+        decode_bytes,
+        measure_read_gbs,
+    )
     from ninfer_core.bench.checkpoint import ensure_checkpoint, prompt_ids
     from ninfer_core.bench.peers import (
         choose_peer,
@@ -243,6 +248,9 @@ def run_bench(cfg: DecodeBenchConfig, model: str | None = None) -> dict:
         need = decode_bytes(config, size, size, cfg.prompt_tokens + cfg.new / 2)
         if file_bytes is not None:
             need = DecodeBytes(weights=file_bytes, kv=need.kv)
+        elif held := artifact_weight_bytes(path, DTYPES[dtype]):
+            need = DecodeBytes(weights=held, kv=need.kv)
+            weight_source = "the .ninfer's matrices as the torch backend holds them"
         ours = run_ninfer(path, dtype, prompt, cfg.new, cfg.repeats, breakdown=cfg.breakdown,
                           compile_decode=cfg.compile_decode,
                           activation_dtype=cfg.activation_dtype)  # fmt: skip
