@@ -122,8 +122,5 @@ class GemvLinear:
         y = gemv_bf16(x, self.weight)
         return y if b is None else y + b
 
-    def to_dense(self) -> torch.Tensor:
-        return self.weight
-
     def __repr__(self) -> str:
         return f"GemvLinear([{self.out_features}, {self.in_features}], {self.dtype})"

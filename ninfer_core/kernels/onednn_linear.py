@@ -73,9 +73,5 @@ class OneDNNLinear:
             return torch.ops.ninfer.onednn_linear(x, self.slot, self.out_features, b)
         return _packed_linear(x, self.packed, b)
 
-    def to_dense(self) -> torch.Tensor:
-        """The plain `[out, in]` matrix (a new tensor)."""
-        return self.packed.to_dense()
-
     def __repr__(self) -> str:
         return f"OneDNNLinear([{self.out_features}, {self.in_features}], {self.dtype})"
