@@ -369,7 +369,7 @@ def _attention_step(run: Run, sizes: Sizes, codec: str, dt: Any, seed: int) -> t
     """A KV store holding random cached prefixes on the device, and one step's q/k/v
     (already written) with a float64 reference of its attention."""
     from ninfer_core.kv.layout import KVLayout
-    from ninfer_core.model.attention_meta import AttentionMetadata
+    from ninfer_core.model.attention_meta import AttentionMetadata, PagedSpan
     from ninfer_core.plugin_host import create_host
 
     torch = run.torch
@@ -384,7 +384,7 @@ def _attention_step(run: Run, sizes: Sizes, codec: str, dt: Any, seed: int) -> t
     for i, (cached, new) in enumerate(sizes.step):
         count = -(-(cached + new) // bs)
         table, pages = pages[:count], pages[count:]
-        seqs.append(_Seq(i, cached, table, cached + new))
+        seqs.append(PagedSpan(i, cached, table, cached + new))
         if cached:
             slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)])
             k, v = (torch.randn(cached, hkv, d, generator=gen).to(run.where, dt) for _ in "kv")
@@ -411,17 +411,6 @@ def _attention_step(run: Run, sizes: Sizes, codec: str, dt: Any, seed: int) -> t
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += qlen
     return store, meta, q, k_new, v_new, torch.cat(outs)
-
-
-@dataclass
-class _Seq:
-    seq_id: int
-    num_computed_tokens: int
-    block_table: list[int]
-    length: int
-
-    def __len__(self) -> int:
-        return self.length
 
 
 def check_attention(run: Run, sizes: Sizes, dtype: str) -> None:

@@ -9,8 +9,6 @@ that is a power of two (64) and one that is not (48).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from triton_helpers import interpreted_module
@@ -21,7 +19,7 @@ from ninfer_core.kv.pages import KVPages
 from ninfer_core.kv.plain import PlainKVStore
 from ninfer_core.kv.quant import FP8
 from ninfer_core.kv.quantized import QuantizedKVStore
-from ninfer_core.model.attention_meta import AttentionMetadata
+from ninfer_core.model.attention_meta import AttentionMetadata, PagedSpan
 from ninfer_core.plugin_host import create_host
 
 attention = interpreted_module("ninfer_plugins.backend_triton.attention")
@@ -31,17 +29,6 @@ H, HKV, BLOCK, NUM_BLOCKS, LAYERS = 4, 2, 16, 14, 2
 #: cached prefix, a speculative round of three rows.
 STEP = [(0, 1), (16, 1), (20, 20), (37, 3)]
 TOL = {torch.float16: 1e-2, torch.float32: 1e-4}
-
-
-@dataclass
-class Seq:
-    seq_id: int
-    num_computed_tokens: int
-    block_table: list[int]
-    length: int
-
-    def __len__(self) -> int:
-        return self.length
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +46,7 @@ def make_step(codec, codecs, dtype, head_dim, seed=0, heads=H):
     for i, (cached, new) in enumerate(STEP):
         n_pages = -(-(cached + new) // BLOCK)
         table, pages = pages[:n_pages], pages[n_pages:]
-        seqs.append(Seq(i, cached, table, cached + new))
+        seqs.append(PagedSpan(i, cached, table, cached + new))
         if cached:  # the prefix earlier steps stored, in both layers
             slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached)])
             for layer in range(LAYERS):
@@ -184,7 +171,7 @@ def test_a_store_without_in_place_pages_is_refused():
 
     layout = KVLayout(1, HKV, 64, BLOCK, 4)
     store = GatherOnly(layout, torch.float32)
-    meta = AttentionMetadata.build([(Seq(0, 0, [1], 1), 1)], BLOCK)
+    meta = AttentionMetadata.build([(PagedSpan(0, 0, [1], 1), 1)], BLOCK)
     x = torch.zeros(1, HKV, 64)
     with pytest.raises(NotImplementedError, match="raw_pages"):
         attention.paged_attention(torch.zeros(1, H, 64), x, x, store, 0, meta, 0.125)
@@ -194,7 +181,7 @@ def test_fp8_pages_are_refused_naming_their_encoding():
     layout = KVLayout(1, HKV, 64, BLOCK, 4)
     store = QuantizedKVStore(layout, FP8, FP8)
     assert store.raw_pages(0).k.encoding == "fp8_e4m3"
-    meta = AttentionMetadata.build([(Seq(0, 0, [1], 1), 1)], BLOCK)
+    meta = AttentionMetadata.build([(PagedSpan(0, 0, [1], 1), 1)], BLOCK)
     x = torch.zeros(1, HKV, 64)
     with pytest.raises(NotImplementedError, match="fp8_e4m3"):
         attention.paged_attention(torch.zeros(1, H, 64), x, x, store, 0, meta, 0.125)

@@ -30,6 +30,21 @@ class PagedSequence(Protocol):
     def __len__(self) -> int: ...
 
 
+@dataclass(frozen=True, slots=True)
+class PagedSpan:
+    """A `PagedSequence` that is only that: `length` tokens, of which
+    `num_computed_tokens` are in the store before this forward (a drafter's rows, a
+    bench's or a test's made-up sequences)."""
+
+    seq_id: int
+    num_computed_tokens: int
+    block_table: list[int]
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
 @dataclass
 class AttentionMetadata:
     block_size: int

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ninfer_core.model.attention_meta import AttentionMetadata
+from ninfer_core.model.attention_meta import AttentionMetadata, PagedSpan
 from ninfer_core.plugin_types import KVStore, MTPBlock
 from ninfer_core.spec.draft_head import DraftHead
 from ninfer_core.spec.types import NO_PROPOSAL, DraftInput, Proposal
@@ -58,20 +58,6 @@ def embed_table_bytes(vocab: int, hidden: int, dtype: torch.dtype) -> int:
     the drafter and for the memory plan that counts it."""
     nbytes = vocab * hidden * dtype.itemsize
     return nbytes if nbytes <= EMBED_TABLE_MAX_BYTES else 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Span:
-    """A sequence as `AttentionMetadata.build` reads it: `length` tokens, of which
-    `num_computed_tokens` are in the store before this forward."""
-
-    seq_id: int
-    num_computed_tokens: int
-    block_table: list[int]
-    length: int
-
-    def __len__(self) -> int:
-        return self.length
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +271,9 @@ class MTPDrafter:
             return torch.empty(0, dim, device=self.device), cos[n:], sin[n:]
         ids = [t for r in rows for t in inputs[r.index].token_ids[r.start + 1 : r.stop + 1]]
         hidden = [_hidden(inputs[r.index])[: r.stop - r.start] for r in rows]
-        spans = [(_Span(i, r.start, r.table, r.stop), r.stop - r.start) for i, r in enumerate(rows)]
+        spans = [
+            (PagedSpan(i, r.start, r.table, r.stop), r.stop - r.start) for i, r in enumerate(rows)
+        ]
         meta = AttentionMetadata.build(spans, self.block_size, self.device)
         self.layer.ops.prepare(meta)
         next_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
