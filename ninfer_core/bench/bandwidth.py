@@ -7,6 +7,7 @@ bandwidth ÷ bytes read per token is the most tokens per second any engine can r
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,9 +105,6 @@ def artifact_weight_bytes(path: Path, dtype: torch.dtype) -> int | None:
         quantized |= fmt.quantized
         held = ops.packed_nbytes(fmt_name, shape, dtype=dtype) if len(shape) == 2 else None
         if held is None:
-            numel = 1
-            for d in shape:
-                numel *= d
-            held = fmt.stored_nbytes(shape) if fmt.quantized else numel * dtype.itemsize
+            held = fmt.stored_nbytes(shape) if fmt.quantized else math.prod(shape) * dtype.itemsize
         total += held
     return total if quantized else None
