@@ -1,10 +1,13 @@
 // Decode GEMVs for x86 CPUs with AVX512-BF16: y[m, n] = sum_k x[m, k] * w[n, k].
 //
 // A decode step multiplies one row (or a few) by every weight matrix, so it is bound by
-// how fast the weights stream from memory. These loops read each weight row once per
-// call, eight rows at a time (eight independent streams, the block after next prefetched),
-// and multiply with `vdpbf16ps` (pairs of bf16 products summed in fp32). Rows of x
-// beyond the first re-read the eight rows from cache, not from memory.
+// how fast the weights stream from memory. Each thread walks its share of the weight rows
+// in memory order, one row at a time, so its reads are one sequential stream the
+// hardware prefetcher follows: about 30 GB/s at SmolLM2's shapes and 43 GB/s at
+// Qwen3-0.6B's on 2 threads, against 22 and 32 for eight rows read side by side (eight
+// short streams, the next block prefetched by hand) and 31 and 49 for a bare read of the
+// same bytes. Products are pairs of bf16 summed in fp32 by `vdpbf16ps`; rows of x beyond
+// the first re-read the weight row from L1, not from memory.
 //
 // Registered as torch operators (`ninfer_cpu::...`), so a compiled graph calls them
 // from C++ without Python. Built at run time by `ninfer_core/kernels/cpu_gemv.py`.
@@ -18,8 +21,6 @@
 
 namespace {
 
-constexpr int64_t kRows = 8;  // weight rows per block
-
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch rounds
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
@@ -28,39 +29,28 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch rounds
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// One x row against weight rows [n0, n0 + R): K in steps of 32, the tail masked. R is a
-// template argument so the row loop unrolls and every accumulator stays in a register.
-template <int R>
-inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t K, const uint16_t* next,
-                      float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-      acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
-      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T0);
-    }
-  }
-  if (k < K) {
-    const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
-      acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+inline __m512 dp(__m512 acc, const uint16_t* w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
 }
 
-// `dot_block` for any row count up to kRows.
-inline void dot_rows(int64_t rows, const uint16_t* x, const uint16_t* w, int64_t K,
-                     const uint16_t* next, float* out) {
-  if (rows == kRows) return dot_block<kRows>(x, w, K, next, out);
-  for (int64_t r = 0; r < rows; ++r) dot_block<1>(x, w + r * K, K, nullptr, out + r);
+// One x row against one weight row: four accumulators over 128 columns a step (to hide
+// the multiply's latency), then 32 at a time, then the tail masked.
+inline float dot_row(const uint16_t* x, const uint16_t* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) {
+    a0 = dp(a0, w + k, x + k);
+    a1 = dp(a1, w + k + 32, x + k + 32);
+    a2 = dp(a2, w + k + 64, x + k + 64);
+    a3 = dp(a3, w + k + 96, x + k + 96);
+  }
+  for (; k + 32 <= K; k += 32) a0 = dp(a0, w + k, x + k);
+  if (k < K) {
+    const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k),
+                          (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
@@ -75,19 +65,10 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float sums[kRows];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
-      // Prefetch the block after next: about 7% more read bandwidth than the next one
-      // (30 layers of SmolLM2's shapes, out of cache, 2 threads).
-      const uint16_t* next = b + 2 < end ? wp + (n0 + 2 * kRows) * K : nullptr;
-      for (int64_t m = 0; m < M; ++m) {
-        dot_rows(rows, xp + m * K, wp + n0 * K, K, m == 0 ? next : nullptr, sums);
-        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = to_bf16(sums[r]);
-      }
-    }
+  // Rows in blocks of 8 per task: whole cache lines of y per thread.
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = to_bf16(dot_row(xp + m * K, wp + n * K, K));
   });
   return y;
 }
