@@ -17,6 +17,7 @@ from ninfer_core.cli.main import main
 from ninfer_core.config import RuntimeConfig
 from ninfer_core.convert import convert
 from ninfer_core.device import probe_device
+from ninfer_core.kernels import cpu_gemv
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.quant.formats import weight_format
@@ -44,9 +45,14 @@ def stored(fmt_name: str, rows: int, cols: int) -> int:
 
 
 def int4_packed(fmt_name: str, rows: int, cols: int) -> int:
-    """Half a byte a code (two codes for 5-8 bits), rows up to 16, bf16 scale + zero."""
+    """What CPU bf16 holds. 4-bit codes on the Q4 GEMV: half a byte a code and an fp16
+    scale per 32 columns. Otherwise torch's int4 kernel: half a byte a code (two codes
+    for 5-8 bits), rows up to 16, bf16 scale + zero."""
     fmt = weight_format(fmt_name)
-    k = -(-cols // fmt.group) * fmt.group * (2 if fmt.bits > 4 else 1)
+    kp = -(-cols // fmt.group) * fmt.group
+    if fmt.bits == 4 and cpu_gemv.available():
+        return rows * kp // 2 + rows * (kp // 32) * 2 * (2 if fmt.mins else 1)
+    k = kp * (2 if fmt.bits > 4 else 1)
     n = -(-rows // 16) * 16
     return n * k // 2 + n * (k // fmt.group) * 4
 
@@ -123,6 +129,8 @@ def test_int4_size_from_the_shape_is_the_built_size(fmt, shape):
     w = quantize(torch.randn(*shape), fmt)
     assert Int4Linear.nbytes_for(w.fmt, shape) == Int4Linear(w).nbytes
     ops = TorchOps("cpu")
-    assert ops.packed_nbytes(fmt, shape, dtype=torch.bfloat16) == Int4Linear(w).nbytes
+    assert ops.packed_nbytes(fmt, shape, dtype=torch.bfloat16) == (
+        ops.pack_linear(w, dtype=torch.bfloat16).nbytes
+    )
     # fp32: dequantized once at load
     assert ops.packed_nbytes(fmt, shape, dtype=torch.float32) == shape[0] * shape[1] * 4

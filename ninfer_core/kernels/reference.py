@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from ninfer_core.kernels import cpu_gemv, delta_rule, int8_act
-from ninfer_core.kernels.cpu_gemv import GemvLinear
+from ninfer_core.kernels.cpu_gemv import GemvLinear, Q4GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
+from ninfer_core.kernels.row_chunks import linear_by_row_chunks
 from ninfer_core.model.attention_meta import AttentionMetadata
 from ninfer_core.model.ops import KernelOps, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
@@ -66,7 +67,7 @@ class TorchOps(KernelOps):
         self._rope_tables: tuple[torch.Tensor, ...] = ()
 
     def linear(self, x, w, b=None):
-        if isinstance(w, (Int4Linear, OneDNNLinear, GemvLinear)):
+        if isinstance(w, (Int4Linear, Q4GemvLinear, OneDNNLinear, GemvLinear)):
             return w(x, b)
         if isinstance(w, QuantizedTensor):
             if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
@@ -80,7 +81,8 @@ class TorchOps(KernelOps):
         blocked layout (`OneDNNLinear`), whose GEMVs run about 1.5-3x `F.linear` over
         row-major weights here; the same results to bf16 rounding either way.
 
-        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes an `Int4Linear`. In
+        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes a `Q4GemvLinear` (4-bit
+        codes, where the GEMV is built) or else an `Int4Linear`. In
         any other dtype on the CPU (fp32, fp16) it is dequantized once, here, into a
         dense matrix of `dtype` (the exact numbers of the reference path, which would
         otherwise dequantize it again on every step): `dtype.itemsize` bytes a weight
@@ -92,6 +94,8 @@ class TorchOps(KernelOps):
         if isinstance(w, QuantizedTensor):
             if self._int8_acts:
                 return w
+            if cpu_gemv.q4_supported(w.fmt, self.device, dtype):
+                return Q4GemvLinear(w)
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             if self._dequantizes_once(dtype):
@@ -118,6 +122,8 @@ class TorchOps(KernelOps):
         if fmt.quantized:
             if self._int8_acts:
                 return None  # kept as loaded
+            if cpu_gemv.q4_supported(fmt, self.device, dtype):
+                return Q4GemvLinear.nbytes_for(fmt, shape)
             if int4_format_supported(fmt, self.device, dtype):
                 return Int4Linear.nbytes_for(fmt, shape)
             if self._dequantizes_once(dtype):
@@ -446,13 +452,10 @@ class Int4Linear:
         time and run dense GEMMs, which reuse each weight over every row of `x`."""
         # x: [T, padded_in] bf16 -> [T, out] bf16
         step = max(64, self.DENSE_CHUNK_ELEMS // self.padded_in // 64 * 64)
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        for start in range(0, self.out_features, step):
-            n = min(step, self.out_features - start)
-            wt = self.dequantize_t(start, n, torch.bfloat16)  # [padded_in, n]
-            y = torch.matmul(x, wt)
-            out[:, start : start + n] = y if b is None else y + b[start : start + n]
-        return out
+        return linear_by_row_chunks(
+            x, b, self.out_features, step,
+            lambda x, start, n: torch.matmul(x, self.dequantize_t(start, n, torch.bfloat16)),
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         halves = " (two int4 halves)" if self.split else " (scale and min)" if self.mins else ""
