@@ -1,17 +1,18 @@
-"""The CPU decode GEMVs of `csrc/cpu_gemv.cpp`, built at run time, and `GemvLinear`.
+"""The CPU decode GEMVs of `csrc/cpu_gemv.cpp`, built at run time, and the layers that
+run them: `GemvLinear` (dense bf16), `Q4GemvLinear` and `Q8GemvLinear` (group codes).
 
-A decode step is bound by how fast its weight matrices stream from memory. At SmolLM2's
-and Qwen3-0.6B's shapes on 2 threads, oneDNN's bf16 GEMV over its packed layout reads
-about 17-19 GB/s of the ~35 GB/s the machine reads; a plain AVX512-BF16 loop over the
-row-major matrix (eight rows a block, the next block prefetched) reads 19-21 GB/s, and
-SmolLM2's bf16 decode goes about 10% faster (docs/performance.md). The loop is C++
-registered as a torch operator, so a compiled decode step calls it from its C++ wrapper
-with no Python in between.
+A decode step is bound by how fast its weight matrices stream from memory. Each thread
+of these loops reads its weight rows one at a time in memory order, one stream the
+hardware prefetcher follows: at SmolLM2's and Qwen3-0.6B's shapes on 2 threads the bf16
+loop reads 30 and 43 GB/s out of cache, against 17-19 for oneDNN's GEMV over its packed
+layout (docs/performance.md). The loops are C++ registered as torch operators, so a
+compiled decode step calls them from its C++ wrapper with no Python in between.
 
-It is built once per machine with torch's extension builder (a C++ compiler and ninja;
-cached under torch's extension folder) when the CPU has AVX512-BF16. Without either,
-`available()` says why and dense bf16 weights stay on oneDNN (`OneDNNLinear`): the
-same results to bf16 rounding, at oneDNN's speed. `NINFER_CPU_GEMV=0` turns it off.
+They are built once per machine with torch's extension builder (a C++ compiler and
+ninja; cached under torch's extension folder) when the CPU has AVX512-BF16 and VNNI.
+Without either, `available()` says why: dense bf16 weights stay on oneDNN
+(`OneDNNLinear`) and quantized ones on torch's int4 kernel (`Int4Linear`).
+`NINFER_CPU_GEMV=0` turns them off.
 """
 
 from __future__ import annotations
@@ -102,18 +103,35 @@ def _register_fake() -> None:
     def _(x, codes, scales, mins):
         return x.new_empty((x.shape[0], codes.shape[0]))
 
+    @torch.library.register_fake("ninfer_cpu::gemv_q8")
+    def _(x, codes, scales):
+        return x.new_empty((x.shape[0], codes.shape[0]))
 
-def q4_supported(fmt: WeightFormat, device: torch.device | str, dtype: torch.dtype | None) -> bool:
-    """Whether `Q4GemvLinear` runs weights of `fmt` for `dtype` activations on `device`:
-    4-bit codes in groups of a multiple of 32, bf16 on the CPU, the GEMV built."""
+
+def codes_supported(
+    fmt: WeightFormat, device: torch.device | str, dtype: torch.dtype | None
+) -> bool:
+    """Whether `codes_linear` runs weights of `fmt` for `dtype` activations on `device`:
+    4- or 8-bit codes in groups of a multiple of 32, bf16 on the CPU, the GEMVs built."""
     return (
         fmt.quantized
-        and fmt.bits == 4
+        and fmt.bits in (4, 8)
         and fmt.group % 32 == 0
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and available()
     )
+
+
+def codes_linear(w: QuantizedTensor) -> Q4GemvLinear | Q8GemvLinear:
+    """The GEMV layer of a `codes_supported` weight."""
+    return Q4GemvLinear(w) if w.fmt.bits == 4 else Q8GemvLinear(w)
+
+
+def codes_linear_nbytes(fmt: WeightFormat, shape: tuple[int, int]) -> int | None:
+    """Bytes `codes_linear` holds beyond the loaded weight, from the shape alone: a 4-bit
+    layer's re-laid copy; None for 8 bits, which holds the loaded codes and scales."""
+    return Q4GemvLinear.nbytes_for(fmt, shape) if fmt.bits == 4 else None
 
 
 class GemvLinear:
@@ -149,26 +167,66 @@ class GemvLinear:
         return f"GemvLinear([{self.out_features}, {self.in_features}], {self.dtype})"
 
 
-class Q4GemvLinear:
-    """A 4-bit `[out, in]` weight (Q4_0, Q4_1, Q4G64, ...) for `ninfer_cpu::gemv_q4`.
+class _CodesGemvLinear:
+    """A group-quantized `[out, in]` weight on a GEMV over its codes: decode rows (up to
+    `MAX_ROWS`) run the operator, which carries x as two int8 planes per block of 32
+    columns (x / dx rounded, and what that left, finer) and multiplies them with the codes
+    as integers (VNNI): 0.17% relative error on a random row, against 0.23% for bf16
+    activations through torch's int4 kernel (one plane, as llama.cpp's Q8 activations,
+    is 0.5%). More rows (a prefill chunk) dequantize the weight to bf16 a row chunk at a
+    time and run dense GEMMs."""
 
-    Decode rows (up to `MAX_ROWS`) run the GEMV: x quantized to int8 per block of 32
-    columns, as llama.cpp does for these formats, and multiplied with the codes as
-    integers (about 0.5% relative error on a random row, against 0.2% for bf16
-    activations through torch's int4 kernel; 1.3-1.6x that kernel's speed at SmolLM2's
-    and Qwen3-0.6B's shapes). More rows (a prefill chunk) dequantize the weight to bf16 a
-    row chunk at a time and run dense GEMMs.
+    MAX_ROWS = GemvLinear.MAX_ROWS
+    #: Weight elements dequantized at a time on the dense path (8 MiB of bf16).
+    DENSE_CHUNK_ELEMS = 1 << 22
+
+    out_features: int
+    in_features: int
+    padded_in: int
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`, as
+        `QuantizedTensor.dequantize` computes them (fp32, exact before one rounding)."""
+        raise NotImplementedError
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] bf16 -> [T, out] bf16
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        if x.shape[0] > self.MAX_ROWS:
+            step = max(64, self.DENSE_CHUNK_ELEMS // self.padded_in // 64 * 64)
+            return linear_by_row_chunks(
+                x, b, self.out_features, step,
+                lambda x, start, n: F.linear(x, self.weight_rows(start, n)),
+            )  # fmt: skip
+        y = self._gemv(x)
+        return y if b is None else y + b
+
+    def __repr__(self) -> str:
+        mins = " (scale and min)" if self.mins is not None else ""
+        return f"{type(self).__name__}([{self.out_features}, {self.in_features}]{mins})"
+
+
+class Q4GemvLinear(_CodesGemvLinear):
+    """A 4-bit `[out, in]` weight (Q4_0, Q4_1, Q4G64, ...) for `ninfer_cpu::gemv_q4`:
+    1.15-1.25x torch's int4 kernel over SmolLM2's and Qwen3-0.6B's layers, out of cache.
 
     Held: the codes re-laid in ggml's block order (a block's 16 bytes hold its columns j
     and j + 16), half a byte a weight, and an fp16 scale (and min) per 32 columns; a
     group of 64 repeats its scale for both halves.
     """
 
-    MAX_ROWS = GemvLinear.MAX_ROWS
     #: Rows converted at a time at load (bounds the int8 codes in flight).
     CHUNK_ROWS = 4096
-    #: Weight elements dequantized at a time on the dense path (8 MiB of bf16).
-    DENSE_CHUNK_ELEMS = 1 << 22
 
     def __init__(self, w: QuantizedTensor) -> None:
         _require()
@@ -199,10 +257,6 @@ class Q4GemvLinear:
         mins = 0 if self.mins is None else self.mins.numel() * 2
         return self.codes.numel() + self.scales.numel() * 2 + mins
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.out_features, self.in_features)
-
     def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `u * d + m`
         (`m = -8 d` for a symmetric format) in fp32, exact before one rounding, as
@@ -214,19 +268,35 @@ class Q4GemvLinear:
         m = -8 * d if mins is None else mins.to(torch.float32)[..., None]
         return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
 
-    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, in] bf16 -> [T, out] bf16
-        if self.padded_in != self.in_features:
-            x = F.pad(x, (0, self.padded_in - self.in_features))
-        if x.shape[0] > self.MAX_ROWS:
-            step = max(64, self.DENSE_CHUNK_ELEMS // self.padded_in // 64 * 64)
-            return linear_by_row_chunks(
-                x, b, self.out_features, step,
-                lambda x, start, n: F.linear(x, self.weight_rows(start, n)),
-            )  # fmt: skip
-        y = torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins)
-        return y if b is None else y + b
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins)
 
-    def __repr__(self) -> str:
-        mins = " (scale and min)" if self.mins is not None else ""
-        return f"Q4GemvLinear([{self.out_features}, {self.in_features}]{mins})"
+
+class Q8GemvLinear(_CodesGemvLinear):
+    """An 8-bit `[out, in]` weight (W8G32, ggml's Q8_0) for `ninfer_cpu::gemv_q8`: 1.6x
+    torch's int4 kernel over the same codes as two 4-bit halves (SmolLM2's head, 49152 x
+    576: 1.0 against 1.6 ms). It holds the loaded codes (stored as `code + 128`, the
+    unsigned operand VNNI multiplies) and scales themselves: a tied head shares the
+    embedding's bytes."""
+
+    def __init__(self, w: QuantizedTensor) -> None:
+        _require()
+        if w.fmt.bits != 8 or w.fmt.group % 32:
+            raise ValueError(f"Q8GemvLinear takes 8-bit codes in groups of 32k, not {w.fmt.name}")
+        self.out_features, self.in_features = w.shape
+        self.padded_in = w.padded_cols
+        self.codes = w.packed.contiguous()
+        repeat = w.fmt.group // 32
+        self.scales = w.scales.repeat_interleave(repeat, 1) if repeat > 1 else w.scales.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+    def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        u = self.codes[start : start + n].view(n, -1, 32).to(torch.float32).sub_(128)
+        d = self.scales[start : start + n].to(torch.float32)[..., None]
+        return u.mul_(d).view(n, self.padded_in).to(dtype)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ninfer_cpu.gemv_q8(x, self.codes, self.scales)

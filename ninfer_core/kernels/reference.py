@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer_core.kernels import cpu_gemv, delta_rule, int8_act
-from ninfer_core.kernels.cpu_gemv import GemvLinear, Q4GemvLinear
+from ninfer_core.kernels.cpu_gemv import GemvLinear, Q4GemvLinear, Q8GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
 from ninfer_core.model.attention_meta import AttentionMetadata
@@ -67,7 +67,7 @@ class TorchOps(KernelOps):
         self._rope_tables: tuple[torch.Tensor, ...] = ()
 
     def linear(self, x, w, b=None):
-        if isinstance(w, (Int4Linear, Q4GemvLinear, OneDNNLinear, GemvLinear)):
+        if isinstance(w, (Int4Linear, Q4GemvLinear, Q8GemvLinear, OneDNNLinear, GemvLinear)):
             return w(x, b)
         if isinstance(w, QuantizedTensor):
             if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
@@ -81,8 +81,9 @@ class TorchOps(KernelOps):
         blocked layout (`OneDNNLinear`), whose GEMVs run about 1.5-3x `F.linear` over
         row-major weights here; the same results to bf16 rounding either way.
 
-        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes a `Q4GemvLinear` (4-bit
-        codes, where the GEMV is built) or else an `Int4Linear`. In
+        A `QuantizedTensor` with `dtype` bf16 on the CPU becomes a `Q4GemvLinear` or
+        `Q8GemvLinear` (4- or 8-bit codes, where the GEMVs are built) or else an
+        `Int4Linear`. In
         any other dtype on the CPU (fp32, fp16) it is dequantized once, here, into a
         dense matrix of `dtype` (the exact numbers of the reference path, which would
         otherwise dequantize it again on every step): `dtype.itemsize` bytes a weight
@@ -94,8 +95,8 @@ class TorchOps(KernelOps):
         if isinstance(w, QuantizedTensor):
             if self._int8_acts:
                 return w
-            if cpu_gemv.q4_supported(w.fmt, self.device, dtype):
-                return Q4GemvLinear(w)
+            if cpu_gemv.codes_supported(w.fmt, self.device, dtype):
+                return cpu_gemv.codes_linear(w)
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             if self._dequantizes_once(dtype):
@@ -122,8 +123,8 @@ class TorchOps(KernelOps):
         if fmt.quantized:
             if self._int8_acts:
                 return None  # kept as loaded
-            if cpu_gemv.q4_supported(fmt, self.device, dtype):
-                return Q4GemvLinear.nbytes_for(fmt, shape)
+            if cpu_gemv.codes_supported(fmt, self.device, dtype):
+                return cpu_gemv.codes_linear_nbytes(fmt, shape)
             if int4_format_supported(fmt, self.device, dtype):
                 return Int4Linear.nbytes_for(fmt, shape)
             if self._dequantizes_once(dtype):

@@ -77,27 +77,30 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
 }
 
 
-// ---------------------------------------------------------------- 4-bit weights
+// ------------------------------------------------------- 4- and 8-bit weights
 //
 // `gemv_q4`: weights of 4-bit codes u (0..15) in blocks of 32 columns, w = d * u + m with
 // an fp16 scale d and min m per block (a symmetric format passes no mins: m = -8 d).
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
-// Q4_0/Q4_1 do. x is quantized per call to int8 per block of 32 (scale max|x| / 127,
-// llama.cpp's Q8 activations), and `vpdpbusd` multiplies codes and x as exact integers:
-// four blocks (64 code bytes) a step, each block's sums landing in four lanes, which are
-// then scaled by d * dx in fp32. The min term uses the sums of the quantized x.
+// Q4_0/Q4_1 do. `gemv_q8`: 8-bit codes stored u = code + 128, w = d * (u - 128) (ggml's
+// Q8_0). x is quantized per call, per block of 32, to two int8 planes (`quantize_x`),
+// and `vpdpbusd` multiplies codes and x as exact integers: 64 code bytes a step, each
+// block's sums landing in four (4-bit) or eight (8-bit) lanes, which are then scaled by
+// d * dx in fp32. The min term uses the sums of the quantized x.
 
-// x, quantized and laid out to match the codes, per row: per chunk of four blocks, 64
-// bytes of the blocks' columns 0..15 (`lo`) and 64 of columns 16..31 (`hi`); per block
-// the scale `dx` and the sum `sx` of the quantized values; and `sym`, per chunk, each
-// lane's share of -8 * sum(xq), the start of a symmetric format's integer sums (there
-// w = d * (u - 8): the -8 is folded into the integers). Rows are padded to whole groups
-// of 16 blocks with zeros.
+// x quantized per block of 32 columns and laid out to match the codes, per row. 4-bit
+// layout: per chunk of four blocks, 64 bytes of the blocks' columns 0..15 (`lo`) and 64
+// of columns 16..31 (`hi`). 8-bit layout: `xq`, the columns in order. Per block the
+// scale `dx` and `sx`, the quantized values' sum times dx (4-bit, for the min term).
+// `sym`, per 32-bit lane of a chunk, the symmetric offset (-8 or -128) times the sum of
+// the xq that lane multiplies: the start of the integer sums, so a code's offset never
+// needs subtracting. Rows are padded with zeros to whole groups of 16 blocks.
 struct QuantX {
-  int64_t chunks;  // per row, a multiple of 4
-  std::vector<int8_t> lo, hi;
+  int64_t blocks = 0;  // per row, a multiple of 16
+  std::vector<int8_t> lo, hi, xq;      // x / dx rounded
+  std::vector<int8_t> lo2, hi2, xq2;   // what that rounding left, times kFine, rounded
   std::vector<float> dx, sx;
-  std::vector<int32_t> sym;
+  std::vector<int32_t> sym, sym2;
 };
 
 inline __m512 bf16_to_ps(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (exact)
@@ -105,59 +108,97 @@ inline __m512 bf16_to_ps(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (exact)
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-void quantize_x(const uint16_t* x, int64_t M, int64_t K, QuantX& q) {
-  const int64_t nb = K / 32, chunks = (nb + 15) / 16 * 4;
-  q.chunks = chunks;
-  q.lo.assign(M * chunks * 64, 0);
-  q.hi.assign(M * chunks * 64, 0);
-  q.dx.assign(M * chunks * 4, 0.f);
-  q.sx.assign(M * chunks * 4, 0.f);
-  q.sym.assign(M * chunks * 16, 0);
+// x is carried as two int8 planes: q = round(x / dx), and r = round((x / dx - q) * kFine),
+// so x = dx * (q + r / kFine) to within dx / 508: about as close as x's own bf16 rounding,
+// where one int8 plane alone (llama.cpp's Q8 activations) is off by up to dx / 2 and
+// doubled SmolLM2's decode logit error against fp32 (0.020 -> 0.039; llama.cpp 0.029).
+constexpr float kFine = 254.f;
+
+// Lane sums of one plane's int8 values, times the symmetric offset, into `sym`.
+inline void lane_sums(const int8_t* a, const int8_t* b, int lanes, int32_t offset, int32_t* sym) {
+  for (int l = 0; l < lanes; ++l) {
+    int32_t sum = a[4 * l] + a[4 * l + 1] + a[4 * l + 2] + a[4 * l + 3];
+    if (b) sum += b[4 * l] + b[4 * l + 1] + b[4 * l + 2] + b[4 * l + 3];
+    sym[l] = offset * sum;
+  }
+}
+
+void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
+  const int64_t nb = K / 32, blocks = (nb + 15) / 16 * 16, lanes = bits == 4 ? 4 : 8;
+  q.blocks = blocks;
+  for (auto* v : {&q.lo, &q.hi, &q.lo2, &q.hi2}) v->assign(bits == 4 ? M * blocks * 16 : 0, 0);
+  for (auto* v : {&q.xq, &q.xq2}) v->assign(bits == 8 ? M * blocks * 32 : 0, 0);
+  q.dx.assign(M * blocks, 0.f);
+  q.sx.assign(M * blocks, 0.f);
+  q.sym.assign(M * blocks * lanes, 0);
+  q.sym2.assign(M * blocks * lanes, 0);
+  const __m512 fine = _mm512_set1_ps(kFine);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 v0 = bf16_to_ps(x + m * K + b * 32), v1 = bf16_to_ps(x + m * K + b * 32 + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       // Round to nearest even (the default rounding mode), then narrow to int8.
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      const int64_t at = m * chunks * 64 + b * 16;
-      _mm_storeu_si128((__m128i*)(q.lo.data() + at), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128((__m128i*)(q.hi.data() + at), _mm512_cvtsepi32_epi8(q1));
+      const __m512 s0 = _mm512_mul_ps(v0, inv), s1 = _mm512_mul_ps(v1, inv);
+      const __m512i q0 = _mm512_cvtps_epi32(s0), q1 = _mm512_cvtps_epi32(s1);
+      const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s0, _mm512_cvtepi32_ps(q0)), fine));
+      const __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(s1, _mm512_cvtepi32_ps(q1)), fine));
+      const int64_t row = m * blocks + b;
       // The min term multiplies the quantized x's sum, so the error of a dot product is
       // the weights times x's rounding error, as with the codes' term.
       const float dx = amax / 127.f;
-      q.dx[m * chunks * 4 + b] = dx;
-      q.sx[m * chunks * 4 + b] = dx * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-      // Lane l of a chunk sums bytes 4l..4l+3 of lo and of hi: block b's lanes are
-      // 4 (b % 4) .. 4 (b % 4) + 3, each taking four of its columns from each half.
-      const int8_t* lo = q.lo.data() + at;
-      const int8_t* hi = q.hi.data() + at;
-      for (int l = 0; l < 4; ++l) {
-        int32_t sum = 0;
-        for (int j = 0; j < 4; ++j) sum += lo[4 * l + j] + hi[4 * l + j];
-        q.sym[m * chunks * 16 + b * 4 + l] = -8 * sum;
+      q.dx[row] = dx;
+      q.sx[row] = dx * (float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))) +
+                        float(_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1))) / kFine);
+      if (bits == 4) {
+        // Lane l of a chunk sums bytes 4l..4l+3 of lo and of hi: block b's lanes are
+        // 4 (b % 4) .. 4 (b % 4) + 3, each taking four of its columns from each half.
+        int8_t *lo = q.lo.data() + row * 16, *hi = q.hi.data() + row * 16;
+        int8_t *lo2 = q.lo2.data() + row * 16, *hi2 = q.hi2.data() + row * 16;
+        _mm_storeu_si128((__m128i*)lo, _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)hi, _mm512_cvtsepi32_epi8(q1));
+        _mm_storeu_si128((__m128i*)lo2, _mm512_cvtsepi32_epi8(r0));
+        _mm_storeu_si128((__m128i*)hi2, _mm512_cvtsepi32_epi8(r1));
+        lane_sums(lo, hi, 4, -8, q.sym.data() + row * 4);
+        lane_sums(lo2, hi2, 4, -8, q.sym2.data() + row * 4);
+      } else {
+        // Lane l of a chunk (two blocks) sums bytes 4l..4l+3: eight lanes a block.
+        int8_t *xq = q.xq.data() + row * 32, *xq2 = q.xq2.data() + row * 32;
+        _mm_storeu_si128((__m128i*)xq, _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(xq + 16), _mm512_cvtsepi32_epi8(q1));
+        _mm_storeu_si128((__m128i*)xq2, _mm512_cvtsepi32_epi8(r0));
+        _mm_storeu_si128((__m128i*)(xq2 + 16), _mm512_cvtsepi32_epi8(r1));
+        lane_sums(xq, nullptr, 8, -128, q.sym.data() + row * 8);
+        lane_sums(xq2, nullptr, 8, -128, q.sym2.data() + row * 8);
       }
     }
   }
 }
 
-// One weight row against one quantized x row: 16 blocks (four chunks) a step, their
-// scales d * dx computed once, each chunk's four lanes per block scaled by a permute.
+// Which of a group's 16 per-block values each lane of chunk `c` takes: `per` lanes a
+// block, 16 / per blocks a chunk.
+inline __m512i spread(int per, int c) {
+  alignas(64) int32_t idx[16];
+  for (int l = 0; l < 16; ++l) idx[l] = (16 / per) * c + l / per;
+  return _mm512_load_si512(idx);
+}
+
+// One 4-bit weight row against one quantized x row: 16 blocks (four chunks) a step,
+// their scales d * dx computed once, each chunk's four lanes per block scaled by a
+// permute.
 template <bool kMins>
 inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
-                    const QuantX& q, int64_t m) {
+                    const QuantX& q, int64_t m, const __m512i* lanes) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
-  const __m512i spread[4] = {
-      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-      _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
-      _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
-      _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
-  const int8_t* xlo = q.lo.data() + m * q.chunks * 64;
-  const int8_t* xhi = q.hi.data() + m * q.chunks * 64;
-  const float* dx = q.dx.data() + m * q.chunks * 4;
-  const float* sx = q.sx.data() + m * q.chunks * 4;
-  const int32_t* sym = q.sym.data() + m * q.chunks * 16;
+  const int8_t* xlo = q.lo.data() + m * q.blocks * 16;
+  const int8_t* xhi = q.hi.data() + m * q.blocks * 16;
+  const int8_t* xlo2 = q.lo2.data() + m * q.blocks * 16;
+  const int8_t* xhi2 = q.hi2.data() + m * q.blocks * 16;
+  const float* dx = q.dx.data() + m * q.blocks;
+  const float* sx = q.sx.data() + m * q.blocks;
+  const int32_t* sym = q.sym.data() + m * q.blocks * 4;
+  const int32_t* sym2 = q.sym2.data() + m * q.blocks * 4;
+  const __m512 unfine = _mm512_set1_ps(1.f / kFine);
   __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
@@ -174,45 +215,101 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
       const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
       const __m512i lo = _mm512_and_si512(v, nib);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      const __m512i init = kMins ? _mm512_setzero_si512() : _mm512_loadu_si512(sym + (b + 4 * c) * 4);
-      __m512i isum = _mm512_dpbusd_epi32(init, lo, _mm512_loadu_si512(xlo + at));
+      const __m512i zero = _mm512_setzero_si512();
+      __m512i isum = kMins ? zero : _mm512_loadu_si512(sym + (b + 4 * c) * 4);
+      __m512i isum2 = kMins ? zero : _mm512_loadu_si512(sym2 + (b + 4 * c) * 4);
+      isum = _mm512_dpbusd_epi32(isum, lo, _mm512_loadu_si512(xlo + at));
       isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(xhi + at));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(spread[c], scale), acc);
+      isum2 = _mm512_dpbusd_epi32(isum2, lo, _mm512_loadu_si512(xlo2 + at));
+      isum2 = _mm512_dpbusd_epi32(isum2, hi, _mm512_loadu_si512(xhi2 + at));
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2), unfine, _mm512_cvtepi32_ps(isum));
+      acc = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(lanes[c], scale), acc);
     }
   }
   return _mm512_reduce_add_ps(kMins ? _mm512_add_ps(acc, macc) : acc);
 }
 
-at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& mins) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2,
-              "gemv_q4: x [M, K], codes [N, K / 2], scales [N, K / 32]");
+// One 8-bit weight row (stored codes u = code + 128, 0..255, w = d * (u - 128)): 16
+// blocks (eight chunks of two) a step.
+inline float dot_q8(const uint8_t* codes, const uint16_t* d, int64_t nb, const QuantX& q,
+                    int64_t m, const __m512i* lanes) {
+  const int8_t* xq = q.xq.data() + m * q.blocks * 32;
+  const int8_t* xq2 = q.xq2.data() + m * q.blocks * 32;
+  const float* dx = q.dx.data() + m * q.blocks;
+  const int32_t* sym = q.sym.data() + m * q.blocks * 8;
+  const int32_t* sym2 = q.sym2.data() + m * q.blocks * 8;
+  const __m512 unfine = _mm512_set1_ps(1.f / kFine);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 16) {
+    const int64_t left = std::min<int64_t>(16, nb - b);
+    const __mmask16 smask = (__mmask16)((1u << left) - 1);
+    const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(smask, d + b)),
+                                       _mm512_loadu_ps(dx + b));
+    for (int c = 0; c < 8 && 2 * c < left; ++c) {
+      const __mmask64 cmask = left - 2 * c >= 2 ? ~0ull : (1ull << 32) - 1;
+      const int64_t at = (b + 2 * c) * 32;
+      const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(sym + (b + 2 * c) * 8), v,
+                                               _mm512_loadu_si512(xq + at));
+      const __m512i isum2 = _mm512_dpbusd_epi32(_mm512_loadu_si512(sym2 + (b + 2 * c) * 8), v,
+                                                _mm512_loadu_si512(xq2 + at));
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum2), unfine, _mm512_cvtepi32_ps(isum));
+      acc = _mm512_fmadd_ps(sum, _mm512_permutexvar_ps(lanes[c], scale), acc);
+    }
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// The checks and the row loop both GEMVs over codes share.
+at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int bits) {
+  const char* name = bits == 4 ? "gemv_q4" : "gemv_q8";
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2, name,
+              ": x [M, K], codes [N, K * bits / 8], scales [N, K / 32]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
-  TORCH_CHECK(K % 32 == 0 && codes.size(1) * 2 == K && scales.size(0) == N &&
+  TORCH_CHECK(K % 32 == 0 && codes.size(1) * 8 == K * bits && scales.size(0) == N &&
                   scales.size(1) == nb,
-              "gemv_q4: x [M, K] with K a multiple of 32, codes [N, K / 2], scales [N, K / 32]");
+              name, ": x [M, K] with K a multiple of 32, codes [N, K * bits / 8], scales [N, K / 32]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && codes.scalar_type() == at::kByte &&
                   scales.scalar_type() == at::kHalf,
-              "gemv_q4: bf16 x, uint8 codes, fp16 scales");
+              name, ": bf16 x, uint8 codes, fp16 scales");
   TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf),
-              "gemv_q4: mins like scales");
+              name, ": mins like scales");
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scales.contiguous();
   const at::Tensor mc = mins ? mins->contiguous() : at::Tensor();
   thread_local QuantX q;  // reused across calls: no allocation per call
-  quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, q);
+  quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, bits, q);
   at::Tensor y = at::empty({M, N}, xc.options());
   const auto* cp = cc.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(sc.data_ptr());
   const auto* mp = mins ? reinterpret_cast<const uint16_t*>(mc.data_ptr()) : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const QuantX& qx = q;
+  // Lanes a block takes in a chunk; a group of 16 blocks is as many chunks.
+  const int per = bits == 4 ? 4 : 8;
+  __m512i lanes[8];
+  for (int c = 0; c < per; ++c) lanes[c] = spread(per, c);
+  const int64_t row_bytes = K * bits / 8;
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        yp[m * N + n] = to_bf16(mp ? dot_q4<true>(cp + n * K / 2, dp + n * nb, mp + n * nb, nb, qx, m)
-                                   : dot_q4<false>(cp + n * K / 2, dp + n * nb, nullptr, nb, qx, m));
+      for (int64_t m = 0; m < M; ++m) {
+        const uint8_t* c = cp + n * row_bytes;
+        const float s = bits == 8 ? dot_q8(c, dp + n * nb, nb, qx, m, lanes)
+                        : mp      ? dot_q4<true>(c, dp + n * nb, mp + n * nb, nb, qx, m, lanes)
+                                  : dot_q4<false>(c, dp + n * nb, nullptr, nb, qx, m, lanes);
+        yp[m * N + n] = to_bf16(s);
+      }
   });
   return y;
+}
+
+at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& mins) {
+  return gemv_codes(x, codes, scales, mins, 4);
+}
+
+at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  return gemv_codes(x, codes, scales, std::nullopt, 8);
 }
 
 }  // namespace
@@ -220,9 +317,11 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_q4(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("gemv_q8(Tensor x, Tensor codes, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ninfer_cpu, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
   m.impl("gemv_q4", &gemv_q4);
+  m.impl("gemv_q8", &gemv_q8);
 }
