@@ -21,10 +21,12 @@ first step it takes; it is opt-in (`--compile-decode`).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
+import re
 import types
 import warnings
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -80,9 +82,7 @@ class CompiledDecode:
     ) -> None:
         self.kv_store, self.block_size = kv_store, block_size
         self.max_batch = max(1, min(max_batch, self.MAX_BATCH))
-        self._fn = compile_graph(own_code(model.decode_graph))
-        #: Batch sizes whose graph has run: their calls skip the guard checks.
-        self._ready: set[int] = set()
+        self._fn = compile_graph(own_code(model.decode_graph), fixed=FIXED_ARGUMENTS)
         #: Why the compiled step stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Steps the compiled function ran.
@@ -104,8 +104,7 @@ class CompiledDecode:
         table = page_table(meta, meta.context_lens, self.block_size)
         context = torch.tensor(meta.context_lens, dtype=torch.int64)
         try:
-            ready = len(meta.context_lens) in self._ready
-            logits, k, v = call_graph(self._fn, ready, input_ids, positions, self.kv_store,
+            logits, k, v = call_graph(self._fn, input_ids, positions, self.kv_store,
                                       table, context)  # fmt: skip
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
@@ -114,34 +113,52 @@ class CompiledDecode:
             return None
         self.kv_store.write_layers(meta.slot_mapping, k, v)
         self.steps += 1
-        self._ready.add(len(meta.context_lens))
         return logits
 
+
+#: The arguments of `decode_graph` and `verify_graph` fixed for a runtime's life.
+FIXED_ARGUMENTS = ("self", "kv_store")
 
 #: Graphs the tracer may keep per compiled function. Its limit counts graphs per code
 #: object, so every batch size adds one; its default, 8, is raised to this.
 RECOMPILE_LIMIT = 64
 
 
-def compile_graph(fn):
+def compile_graph(fn, fixed: Collection[str] = ()):
     """`fn` through `torch.compile` as every captured step is: the whole graph or a
     failure (`fullgraph`), the batch size static in each graph (`dynamic=False`; the page
     count is the one dynamic size, marked per call by `page_table`), and the kernels called
     from C++ instead of a Python function (`cpp_wrapper`): 9% faster decode (SmolLM2, 2
-    threads: 97 and 94 against 88 and 87 tok/s) for about twice the compile time."""
+    threads: 97 and 94 against 88 and 87 tok/s) for about twice the compile time.
+
+    `fixed` names arguments that stay the same objects, unchanged, for as long as `fn`
+    lives (a runtime's model and KV store: their weights, pools and attributes are set at
+    build time), and `fn` a code object of its own (`own_code`): the guards on them, and
+    on globals, are not kept (`fixed_guards_dropped`)."""
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    options: dict[str, object] = {"cpp_wrapper": True}
+    if fixed:
+        options["guard_filter_fn"] = functools.partial(fixed_guards_dropped, frozenset(fixed))
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
-def call_graph(fn, trusted: bool, *args):
+def fixed_guards_dropped(fixed: frozenset[str], entries) -> list[bool]:
+    """Which of the compiler's guards to keep: not those on the `fixed` arguments or on
+    globals. Every call would check them all (some 7,000 for a 30-layer model: every
+    weight's shape, dtype and strides, the store's pools, the model's attributes) to
+    learn what cannot change; the guards on the step's own inputs (the batch size that
+    picks a graph, the page table's width) and the global state stay."""
+    return [not (e.is_global or re.split(r"[.\[]", e.name, maxsplit=1)[0] in fixed)
+            for e in entries]  # fmt: skip
+
+
+def call_graph(fn, *args):
     """`fn(*args)` with the compiler's own notes silenced (a fused kernel reading bf16 and
-    fp16, the deprecations of modules it imports: not the user's to act on), and its
-    guards trusted when `trusted` (`trusted_guards`)."""
+    fp16, the deprecations of modules it imports: not the user's to act on)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with trusted_guards(trusted):
-            return fn(*args)
+        return fn(*args)
 
 
 def page_table(meta: AttentionMetadata, ends: Seq[int], block_size: int) -> torch.Tensor:
@@ -165,26 +182,14 @@ def own_code(method):
 
     torch.compile keeps compiled graphs, and the guards that pick one, per code object:
     with its own, a compiled step's graphs are only its own batch sizes', never another
-    model's (another `CompiledDecode` in the process) — what makes `trusted_guards`
-    safe."""
+    model's (another `CompiledDecode` in the process) — what makes dropping the guards
+    on its fixed arguments safe (`compile_graph`)."""
     func = method.__func__
     clone = types.FunctionType(
         func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
         func.__closure__,
     )  # fmt: skip
     return types.MethodType(clone, method.__self__)
-
-
-def trusted_guards(trusted: bool):
-    """While `trusted` (this batch size's graph has run): the compiler checks only the
-    guards that tell its graphs apart (here the batch size), not all ~7,000 (every
-    weight's shape and dtype, the store's pools, the model's attributes): about 0.5 ms
-    of a 10 ms SmolLM2 step. Nothing those guards check changes while a runtime lives:
-    its weights, its pools and its one dynamic size (the page table's width, at least
-    `MIN_PAGES`) are fixed at build time."""
-    if not trusted:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ninfer_core.engine.compiled_step import (
+    FIXED_ARGUMENTS,
     CompiledDecode,
     call_graph,
     compile_graph,
@@ -65,9 +66,7 @@ class CompiledVerify:
         self.kv_store, self.block_size, self.width = kv_store, block_size, width
         self.max_batch = max(1, min(max_batch, CompiledDecode.MAX_BATCH))
         # As the decode step's: the batch size and width static, the page count dynamic.
-        self._fn = compile_graph(own_code(model.verify_graph))
-        #: Batch sizes whose graph has run: their calls skip the guard checks.
-        self._ready: set[int] = set()
+        self._fn = compile_graph(own_code(model.verify_graph), fixed=FIXED_ARGUMENTS)
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Rounds the compiled function ran.
@@ -109,7 +108,7 @@ class CompiledVerify:
         context = torch.tensor([c - n + 1 for c, n in zip(ends, counts, strict=True)])
         try:
             logits, hidden, k, v = call_graph(
-                self._fn, len(batch) in self._ready,
+                self._fn,
                 input_ids[index], positions[index], self.kv_store, table, context, w,
             )  # fmt: skip
         except Exception as exc:  # the compiler or its output, not the request
@@ -122,5 +121,4 @@ class CompiledVerify:
             logits, hidden, k, v = logits[keep], hidden[keep], k[:, keep], v[:, keep]
         self.kv_store.write_layers(meta.slot_mapping, k, v)
         self.steps += 1
-        self._ready.add(len(batch))
         return logits, hidden

@@ -167,7 +167,7 @@ class CompiledDraftRound:
         real = [b * width + j for b, n in enumerate(counts) for j in range(n)]
         try:
             drafts, k, v, kd, vd = call_graph(
-                self._fn, False,  # its guards all checked: a module function, not own_code
+                self._fn,  # its guards all kept: a module function, not own_code
                 self.layer, self.head, self.embed, self.rotary,
                 torch.tensor(ids, device=device), hidden,
                 torch.tensor(positions, device=device),
