@@ -485,3 +485,29 @@ def test_a_max_context_past_the_models_positions_is_clamped_with_a_warning(capsy
     assert plan["max_context"] == 2048 and plan["pool_tokens"] == 2048
     assert "--max-context 184320 is more than the 2048 positions" in out.err
     assert "serving 2048" in out.err
+
+
+def test_held_bytes_counts_shared_memory_once():
+    """A packed head over the embedding's own bytes (a view, another object) adds nothing;
+    a holder whose tensors don't make up its `nbytes` counts all of `nbytes`."""
+    from ninfer_core.model.layers import held_bytes
+
+    class Packed:
+        def __init__(self, w: torch.Tensor) -> None:
+            self.weight = w.detach()  # another tensor object, the same memory
+
+        @property
+        def nbytes(self) -> int:
+            return self.weight.numel() * self.weight.element_size()
+
+    class Opaque:
+        nbytes = 1000
+
+    embed = torch.nn.Parameter(torch.zeros(50, 8), requires_grad=False)
+    model = torch.nn.Module()
+    model.embed = embed
+    model.head = Packed(embed)
+    assert held_bytes(model) == 50 * 8 * 4
+    model.other = Packed(torch.zeros(10, 8))
+    model.opaque = Opaque()
+    assert held_bytes(model) == 50 * 8 * 4 + 10 * 8 * 4 + 1000

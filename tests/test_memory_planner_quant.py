@@ -32,6 +32,7 @@ RECIPES = {
     "q4": dict.fromkeys(("qkv", "o", "gate_up", "down", "embed"), "Q4G64"),
     "mixed": {"qkv": "Q4G64", "o": "Q5G64", "gate_up": "Q4G64", "down": "Q5G64",
               "embed": "Q6G64"},
+    "w8": dict.fromkeys(("qkv", "o", "gate_up", "down", "embed"), "W8G32"),
 }  # fmt: skip
 SHAPES = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * FF, H), "down": (H, FF)}
 NORM_WEIGHTS = LAYERS * (2 * H + 2 * D) + H
@@ -46,12 +47,15 @@ def stored(fmt_name: str, rows: int, cols: int) -> int:
 
 def int4_packed(fmt_name: str, rows: int, cols: int) -> int:
     """What CPU bf16 holds. 4-bit codes on the Q4 GEMV: half a byte a code and an fp16
-    scale per 32 columns. Otherwise torch's int4 kernel: half a byte a code (two codes
-    for 5-8 bits), rows up to 16, bf16 scale + zero."""
+    scale per 32 columns. 8-bit codes on the Q8 GEMV: the stored codes and scales
+    themselves. Otherwise torch's int4 kernel: half a byte a code (two codes for 5-8
+    bits), rows up to 16, bf16 scale + zero."""
     fmt = weight_format(fmt_name)
     kp = -(-cols // fmt.group) * fmt.group
     if fmt.bits == 4 and cpu_gemv.available():
         return rows * kp // 2 + rows * (kp // 32) * 2 * (2 if fmt.mins else 1)
+    if fmt.bits == 8 and cpu_gemv.available():
+        return stored(fmt_name, rows, cols)
     k = kp * (2 if fmt.bits > 4 else 1)
     n = -(-rows // 16) * 16
     return n * k // 2 + n * (k // fmt.group) * 4
@@ -71,6 +75,8 @@ def by_hand(recipe: str, packed: bool, dense_size: int) -> int:
     layers = LAYERS * sum(size(fmts[role], *shape) for role, shape in SHAPES.items())
     embed = stored(fmts["embed"], V, H)
     head_copy = size(fmts["embed"], V, H)  # tied: the head is packed as its own copy
+    if packed and weight_format(fmts["embed"]).bits == 8 and cpu_gemv.available():
+        head_copy = 0  # ... but the Q8 GEMV's head holds the embedding's own codes
     return layers + embed + head_copy + NORM_WEIGHTS * dense_size
 
 

@@ -132,21 +132,48 @@ class DecoderLayer(nn.Module):
 def held_bytes(model: torch.nn.Module) -> int:
     """Bytes a model's weights hold: parameters, quantized weights (codes and scales),
     packed copies and other tensors its modules keep (none of which are parameters); an
-    object held twice (a tied head) counts once. `CausalLM.weight_bytes` of every family."""
-    seen: set[int] = set()
+    object held twice (a tied head) counts once, and so does memory two holders share (a
+    packed head over the embedding's own bytes). `CausalLM.weight_bytes` of every
+    family."""
+    seen: set[int] = set()  # objects counted
+    spans: set[tuple[int, int]] = set()  # (address, bytes) of the tensors counted
     total = 0
     for module in model.modules():
         for value in (*module._parameters.values(), *vars(module).values()):
             if value is None or id(value) in seen:
                 continue
             if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+                total += _unseen_bytes([value], spans)
             elif isinstance(getattr(value, "nbytes", None), int):
-                total += value.nbytes  # QuantizedTensor, or a backend's packed weight
+                held = _held_tensors(value)  # QuantizedTensor, a backend's packed weight
+                total += value.nbytes if held is None else _unseen_bytes(held, spans)
             else:
                 continue
             seen.add(id(value))
     return total
+
+
+def _held_tensors(holder: Any) -> list[torch.Tensor] | None:
+    """The tensors `holder` keeps, where they make up its `nbytes`; None where it holds
+    something else too (then all of `nbytes` counts)."""
+    names = getattr(holder, "__slots__", None) or list(getattr(holder, "__dict__", {}))
+    tensors = [t for n in names if isinstance(t := getattr(holder, n, None), torch.Tensor)]
+    return tensors if sum(_size(t) for t in tensors) == holder.nbytes else None
+
+
+def _unseen_bytes(tensors: list[torch.Tensor], spans: set[tuple[int, int]]) -> int:
+    """Bytes of `tensors` whose memory was not counted already (marked counted here)."""
+    total = 0
+    for t in tensors:
+        span = (t.data_ptr(), _size(t))
+        if span not in spans:
+            spans.add(span)
+            total += span[1]
+    return total
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def pack_weight(ops: KernelOps, w: Any, dtype: torch.dtype) -> Any:
