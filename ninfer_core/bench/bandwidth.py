@@ -81,7 +81,7 @@ def artifact_weight_bytes(path: Path, dtype: torch.dtype) -> int | None:
     the CPU, or None for a model with no quantized tensor (`decode_bytes` counts those).
 
     Each matrix counts what the torch backend holds for it (`TorchOps.packed_nbytes`: the
-    int4 kernel's codes in bf16, a matrix dequantized once at load in other dtypes), or
+    codes its bf16 kernels read, a matrix dequantized once at load in other dtypes), or
     its stored bytes where it is kept as loaded; any other tensor is held in `dtype`. The
     embedding table is left out when a separate head exists (the lookup reads one row);
     a tied head is the table, read in full."""

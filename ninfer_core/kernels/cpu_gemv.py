@@ -180,11 +180,20 @@ class _CodesGemvLinear:
     #: Weight elements dequantized at a time on the dense path (8 MiB of bf16).
     DENSE_CHUNK_ELEMS = 1 << 22
 
-    out_features: int
-    in_features: int
-    padded_in: int
+    #: The code width this layer's operator takes.
+    BITS: int
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+
+    def __init__(self, w: QuantizedTensor) -> None:
+        _require()
+        if w.fmt.bits != self.BITS or w.fmt.group % 32:
+            raise ValueError(
+                f"{type(self).__name__} takes {self.BITS}-bit codes in groups of 32k, "
+                f"not {w.fmt.name}"
+            )
+        self.out_features, self.in_features = w.shape
+        self.padded_in = w.padded_cols
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -225,15 +234,12 @@ class Q4GemvLinear(_CodesGemvLinear):
     group of 64 repeats its scale for both halves.
     """
 
+    BITS = 4
     #: Rows converted at a time at load (bounds the int8 codes in flight).
     CHUNK_ROWS = 4096
 
     def __init__(self, w: QuantizedTensor) -> None:
-        _require()
-        if w.fmt.bits != 4 or w.fmt.group % 32:
-            raise ValueError(f"Q4GemvLinear takes 4-bit codes in groups of 32k, not {w.fmt.name}")
-        self.out_features, self.in_features = w.shape
-        self.padded_in = w.padded_cols
+        super().__init__(w)
         rows, blocks, repeat = self.out_features, self.padded_in // 32, w.fmt.group // 32
         self.codes = torch.empty(rows, self.padded_in // 2, dtype=torch.uint8)
         for start in range(0, rows, self.CHUNK_ROWS):
@@ -279,12 +285,10 @@ class Q8GemvLinear(_CodesGemvLinear):
     unsigned operand VNNI multiplies) and scales themselves: a tied head shares the
     embedding's bytes."""
 
+    BITS = 8
+
     def __init__(self, w: QuantizedTensor) -> None:
-        _require()
-        if w.fmt.bits != 8 or w.fmt.group % 32:
-            raise ValueError(f"Q8GemvLinear takes 8-bit codes in groups of 32k, not {w.fmt.name}")
-        self.out_features, self.in_features = w.shape
-        self.padded_in = w.padded_cols
+        super().__init__(w)
         self.codes = w.packed.contiguous()
         repeat = w.fmt.group // 32
         self.scales = w.scales.repeat_interleave(repeat, 1) if repeat > 1 else w.scales.contiguous()
