@@ -522,6 +522,28 @@ class KVCodec(Plugin, Protocol):
         ...
 
 
+class PackedLinear(Protocol):
+    """A weight `KernelOps.pack_linear` repacked into a layer that runs itself (the
+    reference's `GemvLinear`, `Q4GemvLinear`, `Q8GemvLinear`, `OneDNNLinear`,
+    `Int4Linear`): `KernelOps.linear(x, w, b)` is `w(x, b)`, and `CausalLM.weight_bytes`
+    counts its `nbytes`, since none of its tensors is a parameter.
+
+    Not `runtime_checkable`: an implementation subclasses the base class
+    `ninfer_core.model.ops.PackedLinear`, which `linear` checks for by type (an
+    `isinstance` against this protocol would probe each member, per projection per
+    step)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer holds (codes, scales, a reordered copy of the weight)."""
+        ...
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out] in x.dtype: `F.linear(x, weight, b)` of the weight it
+        holds, to the rounding of its kernel."""
+        ...
+
+
 @runtime_checkable
 class KernelOps(Protocol):
     """Every tensor op the model calls; `ninfer_core.model.ops.KernelOps` is the base

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
+from ninfer_core.model.ops import PackedLinear
 from ninfer_core.quant.formats import WeightFormat
 from ninfer_core.quant.tensor import QuantizedTensor
 
@@ -134,7 +135,7 @@ def codes_linear_nbytes(fmt: WeightFormat, shape: tuple[int, int]) -> int | None
     return Q4GemvLinear.nbytes_for(fmt, shape) if fmt.bits == 4 else None
 
 
-class GemvLinear:
+class GemvLinear(PackedLinear):
     """A dense bf16 `[out, in]` weight kept row-major: decode rows (up to `MAX_ROWS`) run
     the AVX512-BF16 GEMV, more rows (a prefill chunk) `F.linear`, which reaches within
     10% of oneDNN's packed GEMM at 512 rows here. One copy of the weight serves both."""
@@ -167,7 +168,7 @@ class GemvLinear:
         return f"GemvLinear([{self.out_features}, {self.in_features}], {self.dtype})"
 
 
-class _CodesGemvLinear:
+class _CodesGemvLinear(PackedLinear):
     """A group-quantized `[out, in]` weight on a GEMV over its codes: decode rows (up to
     `MAX_ROWS`) run the operator, which carries x as two int8 planes per block of 32
     columns (x / dx rounded, and what that left, finer) and multiplies them with the codes

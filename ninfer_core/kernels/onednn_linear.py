@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from ninfer_core.model.ops import PackedLinear
+
 #: Packed weights by slot; an entry lives as long as its `OneDNNLinear`.
 _WEIGHTS: dict[int, torch.Tensor] = {}
 _SLOTS = itertools.count()
@@ -51,7 +53,7 @@ _LIB.impl("onednn_linear", _onednn_linear_cpu, "CPU")
 torch.library.register_fake("ninfer::onednn_linear", _onednn_linear_fake, lib=_LIB)
 
 
-class OneDNNLinear:
+class OneDNNLinear(PackedLinear):
     """A dense `[out, in]` weight reordered into oneDNN's layout; `self(x, b)` is
     `F.linear(x, w, b)` with the same result in bf16."""
 

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from ninfer_core.kernels import cpu_gemv, delta_rule, int8_act
-from ninfer_core.kernels.cpu_gemv import GemvLinear, Q4GemvLinear, Q8GemvLinear
+from ninfer_core.kernels.cpu_gemv import GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
 from ninfer_core.model.attention_meta import AttentionMetadata
-from ninfer_core.model.ops import KernelOps, decode_length
+from ninfer_core.model.ops import KernelOps, PackedLinear, decode_length
 from ninfer_core.quant.formats import WeightFormat, weight_format
 from ninfer_core.quant.tensor import QuantizedTensor
 
@@ -67,7 +67,7 @@ class TorchOps(KernelOps):
         self._rope_tables: tuple[torch.Tensor, ...] = ()
 
     def linear(self, x, w, b=None):
-        if isinstance(w, (Int4Linear, Q4GemvLinear, Q8GemvLinear, OneDNNLinear, GemvLinear)):
+        if isinstance(w, PackedLinear):  # what `pack_linear` made: it runs itself
             return w(x, b)
         if isinstance(w, QuantizedTensor):
             if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
@@ -328,7 +328,7 @@ def int4_format_supported(
     )
 
 
-class Int4Linear:
+class Int4Linear(PackedLinear):
     """A quantized `[out, in]` weight repacked for torch's CPU int4 kernel (bf16 only).
 
     4-bit codes go in as `q = code + 8` with zero 0; an asymmetric format's stored value
