@@ -33,7 +33,10 @@ from ninfer_core.quant.tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.cpp"
+#: The `ninfer_cpu` operators: these GEMVs, and the paged decode attention
+#: (`cpu_attention.py`), one library built and loaded together.
+_SOURCES = [str(Path(__file__).with_name("csrc") / name)
+            for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]  # fmt: skip
 #: `-fopenmp`: `at::parallel_for` is a header template whose threads are OpenMP pragmas,
 #: compiled here; without it every call runs on one thread.
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
@@ -65,7 +68,7 @@ def unavailable() -> str | None:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="ninfer_cpu_gemv", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+            name="ninfer_cpu", sources=_SOURCES, extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
         )  # fmt: skip
     except Exception as exc:  # no compiler, no ninja, a build error: oneDNN serves
@@ -107,6 +110,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("ninfer_cpu::gemv_q8")
     def _(x, codes, scales):
         return x.new_empty((x.shape[0], codes.shape[0]))
+
+    @torch.library.register_fake("ninfer_cpu::decode_attention")
+    def _(q, k_pages, v_pages, table, context, k_new, v_new, width, scale):
+        return q.new_empty(q.shape, dtype=torch.float32)  # fp32 whatever q is
 
 
 def codes_supported(

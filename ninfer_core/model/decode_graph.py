@@ -16,8 +16,10 @@ capturable:
 - No host reads and no branches on values; the kernel ops (`linear`, `rms_norm`,
   `apply_rope`, `silu_and_mul`) are the same the eager forward calls.
 
-The attention is the reference's math (`_decode_rows`): fp32 scores, softmax and sum,
-written as elementwise products and sums that the compiler fuses with the page gather.
+The attention is the reference's math (`_decode_rows`): fp32 scores, softmax and sum.
+Where the store's pages suit it, the CPU kernel of `kernels/cpu_attention.py` reads them
+in place (`attend_cached`); otherwise it is written as elementwise products and sums that
+the compiler fuses with the page gather (`attend_with_new`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from ninfer_core.kernels import cpu_attention
 
 if TYPE_CHECKING:
     from ninfer_core.model.dense import DenseDecoder
@@ -86,6 +90,76 @@ def run_layers(
     return model.norm(x), torch.stack(keys), torch.stack(values)
 
 
+def attend_cached(
+    kv_store,
+    attn: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    context: torch.Tensor,
+    width: int = 1,
+) -> torch.Tensor:
+    """Row j of each of B sequences (`width` rows a sequence, sequence-major) over the
+    sequence's cached keys, then the new keys of its rows 0..j, as a lone decode at that
+    position finds them in the pool.
+
+    q: [B * width, H, D]; k, v: [B * width, Hkv, D]; block_table: [B, P]; context: [B],
+    row 0's key count -> [B * width, H, D]. Where the store's pages suit it, the CPU
+    kernel reads them in place (`kernels/cpu_attention.py`); otherwise the pages are
+    gathered and the rows' views of them built (`verify_graph.with_earlier_rows`) for
+    `attend_with_new`. Either way every row is computed as that row alone would be, so a
+    speculative round's rows equal lone decodes bit for bit.
+    """
+    pages = kv_store.raw_pages(attn.layer) if kv_store.raw_pages is not None else None
+    if pages is not None and cpu_attention.unsupported(pages, q.shape[1]) is None:
+        return cpu_attention.decode_attention(
+            q, pages, block_table, context, k, v, width, attn.scale
+        )
+    k_old, v_old = kv_store.gather_heads(attn.layer, block_table)  # [B, Hkv, P * BS, D]
+    if width == 1:
+        return attend_with_new(q, k_old, v_old, k, v, attn.scale, context)
+    steps = torch.arange(width, device=context.device)
+    row_context = (context[:, None] + steps[None, :]).reshape(-1)  # [R]: each row's own
+    k_rows = with_earlier_rows(k_old, k, context, width)
+    v_rows = with_earlier_rows(v_old, v, context, width)
+    return attend_with_new(q, k_rows, v_rows, k, v, attn.scale, row_context)
+
+
+def with_earlier_rows(
+    old: torch.Tensor, new: torch.Tensor, context: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Each row's view of the cache: `old` with the new entries of the sequence's earlier
+    rows in the slots a lone decode finds them in.
+
+    old: [B, Hkv, L, D] (pages as gathered); new: [B * width, Hkv, D]; context: [B], row
+    0's context (computed tokens + 1) -> [B * width, Hkv, L, D]: row r of sequence b holds
+    new[b, j] at key `context[b] - 1 + j` for j < r, else `old[b]`.
+    """
+    b, hkv, length, d = old.shape
+    rel, at = new_at_keys(old, new, context, width)
+    rows = torch.arange(width, device=old.device)[None, :, None]  # [1, W, 1]
+    earlier = (rel[:, None, :] >= 0) & (rel[:, None, :] < rows)  # [B, W, L]
+    out = torch.where(earlier[:, :, None, :, None], at[:, None], old[:, None])
+    return out.reshape(b * width, hkv, length, d)
+
+
+def new_at_keys(
+    old: torch.Tensor, new: torch.Tensor, context: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each sequence's new entries go among the gathered keys.
+
+    old: [B, Hkv, L, D]; new: [B * width, Hkv, D]; context: [B], row 0's context ->
+    (rel [B, L]: key l's offset from the sequence's first new entry, at `context - 1`;
+    at [B, Hkv, L, D]: the new entry `rel` names, clamped to 0 .. width - 1, which the
+    caller keeps only where `rel` says the key holds one)."""
+    b, hkv, length, d = old.shape
+    rel = torch.arange(length, device=old.device)[None, :] - (context - 1)[:, None]  # [B, L]
+    index = rel.clamp(0, width - 1)[:, None, :, None].expand(b, hkv, length, d)
+    at = torch.gather(new.view(b, width, hkv, d).transpose(1, 2), 2, index)  # [B, Hkv, L, D]
+    return rel, at
+
+
 def dense_decode_graph(
     model: DenseDecoder,
     input_ids: torch.Tensor,
@@ -98,8 +172,7 @@ def dense_decode_graph(
 
     def attend(attn: Attention, x: torch.Tensor, cos, sin):
         q, k, v = attn.project(x, cos, sin)  # [B, H, D], [B, Hkv, D]
-        k_old, v_old = kv_store.gather_heads(attn.layer, block_table)  # [B, Hkv, P * BS, D]
-        return attn.output(attend_with_new(q, k_old, v_old, k, v, attn.scale, context)), k, v
+        return attn.output(attend_cached(kv_store, attn, q, k, v, block_table, context)), k, v
 
     hidden, keys, values = run_layers(model, input_ids, positions, attend)
     return model.compute_logits(hidden), keys, values

@@ -32,8 +32,7 @@ from ninfer_core.engine.compiled_step import (
     failure_reason,
     store_refusal,
 )
-from ninfer_core.model.decode_graph import attend_with_new
-from ninfer_core.model.verify_graph import new_at_keys, with_earlier_rows
+from ninfer_core.model.decode_graph import attend_with_new, new_at_keys, with_earlier_rows
 
 if TYPE_CHECKING:
     from ninfer_core.spec.draft_head import DraftHead

@@ -1,0 +1,84 @@
+"""The CPU decode attention of `csrc/cpu_attention.cpp`: query rows over their sequences'
+K/V pages, read in place through the block table.
+
+A compiled decode step (`model/decode_graph.py`) used to gather each layer's pages into a
+`[B, Hkv, L, D]` copy and sum scores with generated reductions at 6-7 GB/s: at a
+512-token context that was a third of SmolLM2's step and a fifth of Qwen3-0.6B's
+(docs/performance.md). The operator reads the pool where it lies, scores sixteen keys at
+a time (`vdpbf16ps` for bf16 queries over bf16 pages) and keeps its sums in registers.
+
+It is built with the CPU GEMVs (`cpu_gemv.unavailable`: one `ninfer_cpu` library) and
+serves float pages of 32-256 wide heads; `unsupported` says why it doesn't serve a
+store's pages, and the graph then attends as before. `NINFER_CPU_ATTENTION=0` turns it
+off (the A/B switch of `docs/performance.md`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ninfer_core.kernels import cpu_gemv
+from ninfer_core.kv.pages import KVPages
+
+#: Head dims the operator is compiled for.
+HEAD_DIMS = (32, 64, 128, 256)
+#: Query heads a KV head may serve.
+MAX_GROUP = 16
+
+
+@torch.compiler.assume_constant_result
+def kernel_unavailable() -> str | None:
+    """Why the operator can't run in this process, or None (a constant of the traced
+    graph: decided once, when the graph is captured)."""
+    if os.environ.get("NINFER_CPU_ATTENTION", "1") == "0":
+        return "NINFER_CPU_ATTENTION=0"
+    return cpu_gemv.unavailable()
+
+
+def unsupported(pages: KVPages, num_heads: int) -> str | None:
+    """Why `decode_attention` can't attend over `pages` for `num_heads` query heads, or
+    None: it reads float pages (bf16, fp16, fp32) on the CPU, unrotated."""
+    if (reason := kernel_unavailable()) is not None:
+        return reason
+    values = pages.k.values
+    if values.device.type != "cpu":
+        return f"the pages are on {values.device.type}"
+    if pages.k.encoding != "float" or pages.v.encoding != "float":
+        return "the pages hold codes"
+    if pages.rotation is not None:
+        return "the pages are stored rotated"
+    if values.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"pages of {values.dtype}"
+    if pages.head_dim not in HEAD_DIMS:
+        return f"head dim {pages.head_dim} (the operator has {HEAD_DIMS})"
+    if num_heads % pages.num_kv_heads or num_heads // pages.num_kv_heads > MAX_GROUP:
+        return f"{num_heads} query heads over {pages.num_kv_heads} KV heads"
+    return None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    pages: KVPages,
+    table: torch.Tensor,
+    context: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    width: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each of `B * width` query rows over its sequence's keys, in fp32.
+
+    q: [R, H, D], R = B * width, sequence-major; table: [B, P] int64; context: [B]
+    int64, row 0's key count (its own key included); k_new, v_new: [R, Hkv, D], this
+    step's K/V. Row j of sequence b attends over the `context[b] - 1` cached keys, then
+    rows 0..j of its own sequence's new K/V (in the order a lone decode finds them in the
+    pool) -> [R, H, D] in q's dtype.
+    """
+    dtype = pages.k.values.dtype
+    out = torch.ops.ninfer_cpu.decode_attention(
+        q, pages.k.values, pages.v.values, table, context,
+        k_new.to(dtype), v_new.to(dtype), width, scale,
+    )  # fmt: skip
+    return out.to(q.dtype)
