@@ -22,8 +22,11 @@ def _entry(name: str, is_global: bool = False):
 
 def test_guards_on_fixed_arguments_and_globals_are_dropped():
     names = ["self", "self.layers[0].w", "kv_store.pools[1]", "self_x", "x", "table", ""]
+    # Sources inside calls: the code a layer's type runs, a property's getter.
+    names += ["type(self.layers[0].mlp).__call__", "dict(type(self.embed).__dict__)['f'].fget",
+              "type(x).__call__", "len(table)"]  # fmt: skip
     keep = fixed_guards_dropped(frozenset({"self", "kv_store"}), [_entry(n) for n in names])
-    assert keep == [False, False, False, True, True, True, True]
+    assert keep == [False, False, False, True, True, True, True, False, False, True, True]
     assert fixed_guards_dropped(frozenset(), [_entry("torch", is_global=True)]) == [False]
 
 

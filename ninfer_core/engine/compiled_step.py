@@ -148,9 +148,14 @@ def fixed_guards_dropped(fixed: frozenset[str], entries) -> list[bool]:
     globals. Every call would check them all (some 7,000 for a 30-layer model: every
     weight's shape, dtype and strides, the store's pools, the model's attributes) to
     learn what cannot change; the guards on the step's own inputs (the batch size that
-    picks a graph, the page table's width) and the global state stay."""
-    return [not (e.is_global or re.split(r"[.\[]", e.name, maxsplit=1)[0] in fixed)
-            for e in entries]  # fmt: skip
+    picks a graph, the page table's width) and the global state stay. A guard's name is
+    the source it reads, sometimes inside calls (`type(self.layers[0].mlp).__call__`,
+    the code a packed layer runs): its argument is the first name past them."""
+    return [not (e.is_global or _ROOT.match(e.name).group(1) in fixed) for e in entries]
+
+
+#: The argument a guard's source starts from: the first name past any calls around it.
+_ROOT = re.compile(r"^(?:\w+\()*(\w*)")
 
 
 def call_graph(fn, *args):
