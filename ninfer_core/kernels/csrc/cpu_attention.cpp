@@ -361,7 +361,10 @@ void run(const Inputs<T>& in, int64_t R, int64_t chunks, float* part, float* out
       attend_chunk<T, ND>(in, rh / in.Hkv, rh % in.Hkv, c, part + t * part_size);
     }
   });
-  at::parallel_for(0, R * in.Hkv, 1, [&](int64_t t0, int64_t t1) {
+  // Merging reads each partial once: a few thousand floats a layer at batch 1, less than
+  // waking the other threads costs, so small steps merge on this one.
+  const int64_t merge_grain = std::max<int64_t>(1, 16384 / (chunks * part_size));
+  at::parallel_for(0, R * in.Hkv, merge_grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       merge_chunks(part + t * chunks * part_size, chunks, in.G, D, out + t * in.G * D);
   });
