@@ -97,7 +97,10 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _register_fake() -> None:
-    """The operator's shape rule for the compiler (once, after its library is loaded)."""
+    """The operators' shape and dtype rules for the compiler (once, after the library is
+    loaded). Inductor's graph cache does not key on these functions: after changing a
+    rule, change the operator's schema too (or clear the cache), or a cached graph built
+    on the old rule is reused."""
 
     @torch.library.register_fake("ninfer_cpu::gemv_bf16")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
