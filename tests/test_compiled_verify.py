@@ -81,7 +81,14 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(7 * i + salt) % 4000 + 5 for i in range(n)]
 
 
-def test_a_rounds_rows_equal_lone_compiled_decodes_bit_for_bit_in_bf16(bf16, host_device):
+@pytest.mark.parametrize("attention", ["operator", "gathered"])
+def test_a_rounds_rows_equal_lone_compiled_decodes_bit_for_bit_in_bf16(
+    bf16, host_device, attention, monkeypatch
+):
+    """Through the CPU attention operator where it is built, and through the gathered
+    pages (what every other CPU compiles)."""
+    if attention == "gathered":
+        monkeypatch.setenv("NINFER_CPU_ATTENTION", "0")  # read when the graphs are traced
     lone, rounds = runtime_for(bf16, host_device), runtime_for(bf16, host_device, 1, 3)
     runner = rounds.runner
     # contexts on and off page boundaries (16-token pages; 47 + 4 rows cross one)
