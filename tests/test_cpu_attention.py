@@ -154,3 +154,39 @@ def test_stores_it_cannot_read_say_why():
     assert "3 query heads" in cpu_attention.unsupported(
         PlainKVStore(layout, torch.bfloat16).raw_pages(0), 3
     )
+
+
+def test_the_reference_ops_decode_rows_read_the_pages_in_place(monkeypatch):
+    """`TorchOps.paged_attention`: a batch with a decode row, a three-row round and a
+    prefill chunk gives what its gathered path gives (the prefill runs SDPA either way)."""
+    from ninfer_core.kernels.reference import TorchOps
+    from ninfer_core.model.attention_meta import AttentionMetadata, PagedSpan
+
+    hkv, h, d, bs = 2, 8, 64, 16
+    gen = torch.Generator().manual_seed(4)
+
+    def run() -> torch.Tensor:
+        store = PlainKVStore(KVLayout(1, hkv, d, bs, NUM_BLOCKS), torch.float32)
+        prompt = [(PagedSpan(0, 0, [3, 9, 4], 40), 40), (PagedSpan(1, 0, [7, 1], 20), 20)]
+        step = [(PagedSpan(0, 40, [3, 9, 4], 41), 1), (PagedSpan(1, 20, [7, 1], 23), 3),
+                (PagedSpan(2, 0, [11, 12], 18), 18)]  # fmt: skip
+        ops, out = TorchOps("cpu"), None
+        for batch in (prompt, step):
+            meta = AttentionMetadata.build(batch, bs)
+            ops.prepare(meta)
+            rows = sum(n for _, n in batch)
+            q = torch.randn(rows, h, d, generator=torch.Generator().manual_seed(rows))
+            k, v = (torch.randn(rows, hkv, d, generator=gen) for _ in "kv")
+            out = ops.paged_attention(q, k, v, store, 0, meta, d**-0.5)
+        return out
+
+    state = gen.get_state()
+    monkeypatch.setenv("NINFER_CPU_ATTENTION", "0")
+    gathered = run()
+    gen.set_state(state)
+    monkeypatch.setenv("NINFER_CPU_ATTENTION", "1")
+    in_place = run()
+    assert in_place.shape == gathered.shape == (22, h, d)
+    assert torch.allclose(in_place, gathered, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(in_place[:4], gathered[:4])  # two summations: both paths ran
+    assert torch.equal(in_place[4:], gathered[4:])  # the prefill chunk: the same SDPA

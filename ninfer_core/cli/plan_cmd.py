@@ -201,6 +201,7 @@ def make_plan(
         concurrency=engine.max_concurrency,
         block_size=engine.block_size,
         caches=caches,
+        device_kind=device.kind,
     )
     # `ninfer plan --recipe`; serve plans what it loads (its namespace has no recipe)
     name = vars(ns).get("recipe")

@@ -26,6 +26,8 @@ from ninfer_core.kv.pages import KVPages
 HEAD_DIMS = (32, 64, 128, 256)
 #: Query heads a KV head may serve.
 MAX_GROUP = 16
+#: Keys a task of the operator owns (`kChunk`): a row keeps one partial per chunk.
+CHUNK = 128
 
 
 @torch.compiler.assume_constant_result
@@ -56,6 +58,16 @@ def unsupported(pages: KVPages, num_heads: int) -> str | None:
     if num_heads % pages.num_kv_heads or num_heads // pages.num_kv_heads > MAX_GROUP:
         return f"{num_heads} query heads over {pages.num_kv_heads} KV heads"
     return None
+
+
+def serves(kv_store, group: int) -> bool:
+    """Whether decode rows over `kv_store`'s pages, `group` query heads a KV head, run the
+    operator (`TorchOps.paged_attention`, the compiled step): they then gather nothing,
+    which the workspace estimate counts (`memory/workspace.py`)."""
+    if kv_store.raw_pages is None:  # an optional member of the KVStore contract
+        return False
+    pages = kv_store.raw_pages(0)
+    return unsupported(pages, group * pages.num_kv_heads) is None
 
 
 def decode_attention(

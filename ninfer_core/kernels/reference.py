@@ -4,8 +4,9 @@ The built-in `torch` kernel backend (`ninfer_plugins/backend_torch.py`) register
 
 Plain PyTorch ops; runs wherever torch runs. Attention gathers each sequence's cached
 pages and calls `F.scaled_dot_product_attention` (grouped-query heads through
-`enable_gqa`) for prefill, two small matmuls for a decode row; masks are built once
-per step in `prepare`, not per layer. The linear-attention ops (`gated_delta_rule`,
+`enable_gqa`) for prefill, two small matmuls for a decode row (or, on CPUs that build
+it, the decode attention operator over the pages in place, `cpu_attention`); masks are
+built once per step in `prepare`, not per layer. The linear-attention ops (`gated_delta_rule`,
 `causal_conv1d`) are `ninfer_core.kernels.delta_rule`'s.
 
 Quantized weights (`QuantizedTensor`) run one of two ways. The reference dequantizes
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ninfer_core.kernels import cpu_gemv, delta_rule, int8_act
+from ninfer_core.kernels import cpu_attention, cpu_gemv, delta_rule, int8_act
 from ninfer_core.kernels.cpu_gemv import GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
@@ -189,18 +190,40 @@ class TorchOps(KernelOps):
                 # Query i sits at position ctx - qlen + i and sees keys up to it.
                 q_pos = torch.arange(ctx - qlen, ctx, device=dev)
                 masks.append(torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None])
-        meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables)
+        # A few rows (a decode token, a speculative round) may run the CPU attention
+        # operator over the pages in place: its table [1, P] and row 0's key count.
+        few = [
+            (table[None].long(), torch.tensor([ctx - qlen + 1])) if qlen <= FEW_ROWS else None
+            for qlen, ctx, table in zip(meta.query_lens, meta.context_lens, tables, strict=True)
+        ]
+        meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables, few=few)
 
     def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
         """Each sequence attends over its own pages only: a ragged batch is never padded
-        to its longest member (a decode row reads its L keys, not the batch maximum)."""
+        to its longest member (a decode row reads its L keys, not the batch maximum).
+
+        A sequence's few rows (a decode token, a speculative round) read the pages in
+        place through the CPU attention operator where the store's pages suit it
+        (`cpu_attention.unsupported`): no gathered copy of the context, about a tenth of
+        the gather and matmuls' time. Its row j computes what that token decoded alone
+        computes, as `_decode_rows` does, so speculation stays lossless either way."""
         # q: [T, H, D], k_new/v_new: [T, Hkv, D]
         kv_store.write(layer, meta.slot_mapping, k_new, v_new)
         plan = meta.plan
+        pages = kv_store.raw_pages(layer) if kv_store.raw_pages is not None else None
+        if pages is not None and cpu_attention.unsupported(pages, q.shape[1]) is not None:
+            pages = None
         outs = []
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
             start, length = plan["starts"][i], plan["lengths"][i]
             qi = q[start : start + qlen]  # [Q, H, D]
+            if pages is not None and qlen <= FEW_ROWS:
+                rows = slice(start, start + qlen)  # row j's key is in the pool and here
+                table, first = plan["few"][i]
+                outs.append(cpu_attention.decode_attention(
+                    qi, pages, table, first, k_new[rows], v_new[rows], qlen, scale
+                ))  # fmt: skip
+                continue
             # k, v: [Hkv, length, D]; a decode row's keys past ctx are padding (finite)
             k, v, rotation = gather_heads(kv_store, layer, plan["tables"][i], length, q.dtype)
             if rotation is not None:  # (qH)·(kH) = q·k; the output comes back by Hᵀ

@@ -6,10 +6,12 @@ Two ways to get it:
   weights loaded). It follows the torch reference backend, where the step's largest live
   set is attention at any real context: each sequence's pages are gathered whole and
   decoded to the compute dtype (quantized codecs through fp32 temporaries), one sequence
-  after another. That term grows with the context, so at long contexts it dwarfs the
-  projections. The SDPA kernel's internal scratch is not modelled (a flash or
-  memory-efficient kernel needs O(T·H·D) beside its inputs). Checked against a live-bytes
-  count of a real profiling step in `tests/test_memory_plan.py`. A hybrid model's state
+  after another; on the CPU, decode rows over float pages read them in place instead
+  (`kernels/cpu_attention.py`), and only a prefill chunk gathers. That term grows with
+  the context, so at long contexts it dwarfs the projections. The SDPA kernel's internal
+  scratch is not modelled (a flash or memory-efficient kernel needs O(T·H·D) beside its
+  inputs). Checked against a live-bytes count of a real profiling step in
+  `tests/test_memory_plan.py`. A hybrid model's state
   layers (`caches`) add their own stage, the Gated DeltaNet's through the reference
   `causal_conv1d` and chunked `gated_delta_rule` (`linear_attention_bytes`): per step
   tokens, whatever the context, so it sets the peak only at short contexts; only one
@@ -32,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 
 from ninfer_core import conformance
+from ninfer_core.kernels import cpu_attention
+from ninfer_core.kernels.reference import FEW_ROWS
 from ninfer_core.model.caches import ModelCaches, SequenceState
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import decode_length
@@ -99,6 +103,7 @@ def estimate_workspace(
     logit_rows: int | None = None,
     block_size: int = 16,
     caches: ModelCaches | None = None,
+    device_kind: str = "cpu",
 ) -> Workspace:
     """Peak bytes of the worst step, stage by stage, from shapes (see the module doc).
 
@@ -107,7 +112,9 @@ def estimate_workspace(
     per sequence; drafts being verified need one per draft token). `block_size`: the KV
     page, which a decode row's padded context (`decode_length`) is a multiple of.
     `caches`: what each layer keeps (the family's `layer_caches`); a state layer adds
-    its stage (`linear_attention_bytes`). None: every layer is attention.
+    its stage (`linear_attention_bytes`). None: every layer is attention. `device_kind`:
+    on the CPU, decode rows may read the pages in place (`cpu_attention.serves`), so only
+    a prefill chunk gathers its context.
     """
     if kv_store is None:
         if kv_codec is None:
@@ -126,6 +133,15 @@ def estimate_workspace(
     previous = 2 * gathered * c if b > 1 else 0
     mask = qmax * s if qmax not in (1, s) else 0  # bool [Q, S] of a later prefill chunk
     scores = hq * s_kv * (4 + c) if b > 1 or qmax == 1 else 0  # a decode row's fp32 scores
+    in_place = 0
+    if device_kind == "cpu" and cpu_attention.serves(kv_store, hq // hkv):
+        # Decode rows read the pages where they lie: fp32 q and output, and per row and
+        # chunk of keys a partial of each head; only a prefill chunk gathers, alone.
+        rows = (b - 1) + (qmax if qmax <= FEW_ROWS else 0)
+        chunks = -(-(context + FEW_ROWS) // cpu_attention.CHUNK)
+        in_place = rows * hq * (2 * d + chunks * (d + 2)) * 4
+        gathered = context * hkv * d if qmax > FEW_ROWS else 0
+        previous = scores = 0
     parts = {
         # Live all step: the residual stream (a layer's input and its output), the mask, RoPE.
         "step": 2 * t * h * c + mask + t * d * c,
@@ -141,6 +157,7 @@ def estimate_workspace(
             + gathered * (2 * c + gather_scratch(kv_store))
             + previous
             + max(mask * c, scores)
+            + in_place
             + 2 * t * hq * d * c
         ),
         # Normed input, gate|up, silu(gate), silu(gate) * up, the down projection.
