@@ -10,12 +10,13 @@ own steps (`--compile-decode`, `DraftTarget.compile_steps`): about 1.0 ms. The c
 is padded to k + 1 entries (a round keeps 1 to k + 1), so one graph serves every round.
 
 As the compiled decode step, it writes nothing: catch-up entry r attends over the
-layer's cached keys with entries 0..r-1's new keys where they will be stored
-(`with_earlier_rows`), draft step i over those and the steps before it, each with its own
-key apart (`attend_with_new`); every K/V comes back and is stored after the graph
-(`KVStore.write_layers`). Drafts change only what is accepted, never the output, so the
-fused kernels' rounding (fp32 inside, rounded once) needs no agreement with the eager
-forwards; in fp32 they draft the same tokens (`tests/test_compiled_verify.py`).
+layer's cached keys with entries 0..r-1's new keys where they will be stored, as a
+verifying forward's rows do (`attend_cached`), draft step i over those and the steps
+before it, each with its own key apart (`attend_with_new`); every K/V comes back and is
+stored after the graph (`KVStore.write_layers`). Drafts change only what is accepted,
+never the output, so the fused kernels' rounding (fp32 inside, rounded once) needs no
+agreement with the eager forwards; in fp32 they draft the same tokens
+(`tests/test_compiled_verify.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ninfer_core.engine.compiled_step import (
     failure_reason,
     store_refusal,
 )
-from ninfer_core.model.decode_graph import attend_with_new, new_at_keys, with_earlier_rows
+from ninfer_core.model.decode_graph import attend_cached, attend_with_new, new_at_keys
 
 if TYPE_CHECKING:
     from ninfer_core.spec.draft_head import DraftHead
@@ -78,12 +79,7 @@ def draft_round(
     x = layer.ops.linear(e_h, layer.fc).float()
     q, k, v = attn.project(decoder.input_layernorm(x), cos[:n], sin[:n])
     context = first + 1
-    rows = torch.arange(width, device=ids.device)
-    row_context = (context[:, None] + rows[None, :]).reshape(-1)
-    out = attend_with_new(
-        q, with_earlier_rows(k_old, k, context, width), with_earlier_rows(v_old, v, context, width),
-        k, v, attn.scale, row_context,
-    )  # fmt: skip
+    out = attend_cached(store, attn, q, k, v, table, context, width)  # a verify's rows
     outs = layer.norm(decoder.mlp_block(x + attn.output(out)))  # [B * W, hidden]
     last = (torch.arange(b, device=ids.device) * width + count - 1).long()
     hidden = outs.index_select(0, last)  # [B, hidden]: the MTP's output at end - 1
