@@ -60,6 +60,15 @@ def unsupported(pages: KVPages, num_heads: int) -> str | None:
     return None
 
 
+def served_pages(kv_store, layer: int, num_heads: int) -> KVPages | None:
+    """Layer `layer`'s pages of `kv_store` where the operator attends over them for
+    `num_heads` query heads, else None (the caller gathers them instead)."""
+    if kv_store.raw_pages is None:  # an optional member of the KVStore contract
+        return None
+    pages = kv_store.raw_pages(layer)
+    return pages if unsupported(pages, num_heads) is None else None
+
+
 def serves(kv_store, group: int) -> bool:
     """Whether decode rows over `kv_store`'s pages, `group` query heads a KV head, run the
     operator (`TorchOps.paged_attention`, the compiled step): they then gather nothing,

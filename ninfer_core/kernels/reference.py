@@ -193,7 +193,9 @@ class TorchOps(KernelOps):
         # A few rows (a decode token, a speculative round) may run the CPU attention
         # operator over the pages in place: its table [1, P] and row 0's key count.
         few = [
-            (table[None].long(), torch.tensor([ctx - qlen + 1])) if qlen <= FEW_ROWS else None
+            (table[None].long(), torch.tensor([ctx - qlen + 1]))
+            if qlen <= FEW_ROWS and self.device.type == "cpu"  # the operator's device
+            else None
             for qlen, ctx, table in zip(meta.query_lens, meta.context_lens, tables, strict=True)
         ]
         meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables, few=few)
@@ -204,15 +206,13 @@ class TorchOps(KernelOps):
 
         A sequence's few rows (a decode token, a speculative round) read the pages in
         place through the CPU attention operator where the store's pages suit it
-        (`cpu_attention.unsupported`): no gathered copy of the context, about a tenth of
+        (`cpu_attention.served_pages`): no gathered copy of the context, about a tenth of
         the gather and matmuls' time. Its row j computes what that token decoded alone
         computes, as `_decode_rows` does, so speculation stays lossless either way."""
         # q: [T, H, D], k_new/v_new: [T, Hkv, D]
         kv_store.write(layer, meta.slot_mapping, k_new, v_new)
         plan = meta.plan
-        pages = kv_store.raw_pages(layer) if kv_store.raw_pages is not None else None
-        if pages is not None and cpu_attention.unsupported(pages, q.shape[1]) is not None:
-            pages = None
+        pages = cpu_attention.served_pages(kv_store, layer, q.shape[1])
         outs = []
         for i, (qlen, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
             start, length = plan["starts"][i], plan["lengths"][i]

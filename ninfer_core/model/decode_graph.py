@@ -99,6 +99,7 @@ def attend_cached(
     block_table: torch.Tensor,
     context: torch.Tensor,
     width: int = 1,
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Row j of each of B sequences (`width` rows a sequence, sequence-major) over the
     sequence's cached keys, then the new keys of its rows 0..j, as a lone decode at that
@@ -107,16 +108,18 @@ def attend_cached(
     q: [B * width, H, D]; k, v: [B * width, Hkv, D]; block_table: [B, P]; context: [B],
     row 0's key count -> [B * width, H, D]. Where the store's pages suit it, the CPU
     kernel reads them in place (`kernels/cpu_attention.py`); otherwise the pages are
-    gathered and the rows' views of them built (`verify_graph.with_earlier_rows`) for
-    `attend_with_new`. Either way every row is computed as that row alone would be, so a
-    speculative round's rows equal lone decodes bit for bit.
+    gathered (or taken from `gathered`, the caller's `gather_heads` of them) and the rows'
+    views of them built (`with_earlier_rows`) for `attend_with_new`. Either way every
+    row is computed as that row alone would be, so a speculative round's rows equal lone
+    decodes bit for bit.
     """
-    pages = kv_store.raw_pages(attn.layer) if kv_store.raw_pages is not None else None
-    if pages is not None and cpu_attention.unsupported(pages, q.shape[1]) is None:
+    pages = cpu_attention.served_pages(kv_store, attn.layer, q.shape[1])
+    if pages is not None:
         return cpu_attention.decode_attention(
             q, pages, block_table, context, k, v, width, attn.scale
         )
-    k_old, v_old = kv_store.gather_heads(attn.layer, block_table)  # [B, Hkv, P * BS, D]
+    # [B, Hkv, P * BS, D] each
+    k_old, v_old = gathered or kv_store.gather_heads(attn.layer, block_table)
     if width == 1:
         return attend_with_new(q, k_old, v_old, k, v, attn.scale, context)
     steps = torch.arange(width, device=context.device)

@@ -79,7 +79,8 @@ def draft_round(
     x = layer.ops.linear(e_h, layer.fc).float()
     q, k, v = attn.project(decoder.input_layernorm(x), cos[:n], sin[:n])
     context = first + 1
-    out = attend_cached(store, attn, q, k, v, table, context, width)  # a verify's rows
+    # a verifying forward's rows, over the pages the drafts below read too
+    out = attend_cached(store, attn, q, k, v, table, context, width, (k_old, v_old))
     outs = layer.norm(decoder.mlp_block(x + attn.output(out)))  # [B * W, hidden]
     last = (torch.arange(b, device=ids.device) * width + count - 1).long()
     hidden = outs.index_select(0, last)  # [B, hidden]: the MTP's output at end - 1
