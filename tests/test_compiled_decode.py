@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import write_tiny_qwen3
+from graph_helpers import count_traced
 from text_fixtures import write_model_dir
 
 from ninfer_core.config import RuntimeConfig
@@ -85,9 +86,11 @@ def runs(folder, q4):
         engine = engine_for(path, dtype[:4], True)
         compiled = engine.runner.compiled
         assert compiled is not None, capture_refusal(engine.runner.model, engine.runner.kv_store)
+        traced = count_traced(compiled._fn)
         got = decode(engine)
         assert compiled.failed is None, compiled.failed
         assert compiled.steps == NEW  # every decode step, through one graph
+        assert len(traced) == 1  # the first traced; the rest called the compiled code
         if dtype == "bf16-dense":  # the graph called the eager path's packed weights
             held = [v for m in engine.runner.model.modules() for v in vars(m).values()]
             assert sum(isinstance(v, (OneDNNLinear, GemvLinear)) for v in held) >= 6

@@ -36,6 +36,7 @@ from ninfer_core.text import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import builtin_corpus
+from graph_helpers import count_traced
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -91,6 +92,7 @@ def test_a_rounds_rows_equal_lone_compiled_decodes_bit_for_bit_in_bf16(
         monkeypatch.setenv("NINFER_CPU_ATTENTION", "0")  # read when the graphs are traced
     lone, rounds = runtime_for(bf16, host_device), runtime_for(bf16, host_device, 1, 3)
     runner = rounds.runner
+    traced = count_traced(runner.verify._fn)
     # contexts on and off page boundaries (16-token pages; 47 + 4 rows cross one)
     for n in (40, 47, 150, 321):
         ids = prompt(n)
@@ -104,6 +106,7 @@ def test_a_rounds_rows_equal_lone_compiled_decodes_bit_for_bit_in_bf16(
             seq.draft_ids = []
             rounds.block_manager.free(seq)
     assert runner.verify.failed is None and runner.verify.steps == 12
+    assert len(traced) == 1  # one graph (batch 1, width 4): the rest were direct calls
 
 
 def test_two_sequences_in_one_round_equal_their_lone_decodes(bf16, host_device):

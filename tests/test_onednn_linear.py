@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from ninfer_core.engine.compiled_step import call_graph, compile_graph
+from ninfer_core.engine.compiled_step import compile_graph
 from ninfer_core.kernels import cpu_gemv, onednn_linear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
 from ninfer_core.kernels.reference import TorchOps
@@ -64,7 +64,7 @@ def test_a_compiled_graph_calls_the_same_kernel():
     def fn(x, b):
         return torch.relu(lin(x * 2, b)) + 1
 
-    got = call_graph(compile_graph(fn), x, b)  # as the decode step compiles
+    got = compile_graph(fn)(x, b)  # as the decode step compiles
     assert torch.equal(got, fn(x, b))  # same oneDNN call on the same packed weight
     _close(got, torch.relu(_reference(x * 2, w, b)) + 1)
 

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ninfer_core.engine.compiled_step import (
+    DYNAMIC_ARGUMENTS,
     FIXED_ARGUMENTS,
     CompiledDecode,
-    call_graph,
     compile_graph,
     failure_reason,
     own_code,
@@ -66,7 +66,9 @@ class CompiledVerify:
         self.kv_store, self.block_size, self.width = kv_store, block_size, width
         self.max_batch = max(1, min(max_batch, CompiledDecode.MAX_BATCH))
         # As the decode step's: the batch size and width static, the page count dynamic.
-        self._fn = compile_graph(own_code(model.verify_graph), fixed=FIXED_ARGUMENTS)
+        self._fn = compile_graph(
+            own_code(model.verify_graph), fixed=FIXED_ARGUMENTS, dynamic=DYNAMIC_ARGUMENTS
+        )
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Rounds the compiled function ran.
@@ -107,10 +109,9 @@ class CompiledVerify:
         table = page_table(meta, ends, bs)
         context = torch.tensor([c - n + 1 for c, n in zip(ends, counts, strict=True)])
         try:
-            logits, hidden, k, v = call_graph(
-                self._fn,
-                input_ids[index], positions[index], self.kv_store, table, context, w,
-            )  # fmt: skip
+            logits, hidden, k, v = self._fn(
+                input_ids[index], positions[index], self.kv_store, table, context, w
+            )
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled verify step failed, verifying eagerly from now on: %s",

@@ -28,7 +28,6 @@ import torch
 
 from ninfer_core.engine.compiled_step import (
     CompiledDecode,
-    call_graph,
     compile_graph,
     failure_reason,
     store_refusal,
@@ -162,8 +161,7 @@ class CompiledDraftRound:
         width = len(ids) // len(counts)
         real = [b * width + j for b, n in enumerate(counts) for j in range(n)]
         try:
-            drafts, k, v, kd, vd = call_graph(
-                self._fn,  # its guards all kept: a module function, not own_code
+            drafts, k, v, kd, vd = self._fn(  # its guards all kept: not own_code
                 self.layer, self.head, self.embed, self.rotary,
                 torch.tensor(ids, device=device), hidden,
                 torch.tensor(positions, device=device),
