@@ -89,7 +89,7 @@ def decode_attention(
     width: int,
     scale: float,
 ) -> torch.Tensor:
-    """Each of `B * width` query rows over its sequence's keys, in fp32.
+    """Each of `B * width` query rows over its sequence's keys, computed in fp32.
 
     q: [R, H, D], R = B * width, sequence-major; table: [B, P] int64; context: [B]
     int64, row 0's key count (its own key included); k_new, v_new: [R, Hkv, D], this
@@ -98,8 +98,7 @@ def decode_attention(
     pool) -> [R, H, D] in q's dtype.
     """
     dtype = pages.k.values.dtype
-    out = torch.ops.ninfer_cpu.decode_attention(
+    return torch.ops.ninfer_cpu.decode_attention(
         q, pages.k.values, pages.v.values, table, context,
         k_new.to(dtype), v_new.to(dtype), width, scale,
     )  # fmt: skip
-    return out.to(q.dtype)

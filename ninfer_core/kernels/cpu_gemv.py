@@ -116,7 +116,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("ninfer_cpu::decode_attention")
     def _(q, k_pages, v_pages, table, context, k_new, v_new, width, scale):
-        return q.new_empty(q.shape, dtype=torch.float32)  # fp32 whatever q is
+        return q.new_empty(q.shape)  # in q's dtype
 
 
 def codes_supported(

@@ -332,27 +332,30 @@ void attend_chunk(const Inputs<T>& in, int64_t r, int64_t h, int64_t c, float* p
   weigh_group<T, ND>(rows, scores, in.G, part, D + 2);
 }
 
-// Chunks of (r, h, g) merged by their maxima: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) s_c.
-void merge_chunks(const float* part, int64_t chunks, int64_t G, int64_t D, float* out) {
+// Chunks of (r, h, g) merged by their maxima: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) s_c,
+// summed in fp32 and rounded once to the output's dtype (q's: as `Tensor.to` rounds).
+template <typename O>
+void merge_chunks(const float* part, int64_t chunks, int64_t G, int64_t D, O* out) {
+  alignas(64) float acc[256];
   for (int64_t g = 0; g < G; ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part[(c * G + g) * (D + 2) + D]);
     float total = 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     for (int64_t c = 0; c < chunks; ++c) {
       const float* p = part + (c * G + g) * (D + 2);
       if (p[D + 1] == 0.0f) continue;
       const float w = chunks == 1 ? 1.0f : std::exp(p[D] - mx);
       total += w * p[D + 1];
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] += w * p[d];
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * p[d];
     }
     const float inv = 1.0f / total;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<O>(acc[d] * inv);
   }
 }
 
-template <typename T, int ND>
-void run(const Inputs<T>& in, int64_t R, int64_t chunks, float* part, float* out) {
+template <typename T, int ND, typename O>
+void run(const Inputs<T>& in, int64_t R, int64_t chunks, float* part, O* out) {
   constexpr int64_t D = ND * 16;
   const int64_t tasks = R * in.Hkv * chunks, part_size = in.G * (D + 2);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
@@ -370,8 +373,8 @@ void run(const Inputs<T>& in, int64_t R, int64_t chunks, float* part, float* out
   });
 }
 
-template <typename T>
-void dispatch(const Inputs<T>& in, int64_t R, int64_t D, int64_t chunks, float* part, float* out) {
+template <typename T, typename O>
+void dispatch(const Inputs<T>& in, int64_t R, int64_t D, int64_t chunks, float* part, O* out) {
   switch (D) {
     case 32: run<T, 2>(in, R, chunks, part, out); break;
     case 64: run<T, 4>(in, R, chunks, part, out); break;
@@ -406,9 +409,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= kMaxGroup, "decode_attention: at most 16 query heads a KV head");
   TORCH_CHECK(k_new.sizes() == at::IntArrayRef({R, Hkv, D}) && v_new.sizes() == k_new.sizes(),
               "decode_attention: new K/V [R, Hkv, D]");
-  // q in fp32 for the FMA path; bf16 q over bf16 pages is also read as it is (`vdpbf16ps`).
-  const at::Tensor qc = q.to(at::kFloat).contiguous(), qb = q.contiguous();
+  // bf16 q over bf16 pages is read as it is (`vdpbf16ps`); the FMA path takes q in fp32.
   const bool q_pairs = q.scalar_type() == at::kBFloat16 && k_pages.scalar_type() == at::kBFloat16;
+  const at::Tensor qb = q.contiguous(), qc = q_pairs ? qb : q.to(at::kFloat).contiguous();
   const at::Tensor kn = k_new.contiguous(), vn = v_new.contiguous();
   const at::Tensor tc = table.contiguous(), cc = context.contiguous();
   const int64_t* ctx = cc.data_ptr<int64_t>();
@@ -424,11 +427,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
   }
   const int64_t chunks = std::max<int64_t>(1, (longest + kChunk - 1) / kChunk);
   const int64_t G = H / Hkv;
-  at::Tensor part = at::empty({R * Hkv * chunks * G * (D + 2)}, qc.options());
-  at::Tensor out = at::empty({R, H, D}, qc.options());
+  at::Tensor part = at::empty({R * Hkv * chunks * G * (D + 2)}, q.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({R, H, D}, q.options());  // in q's dtype: no conversion after
   auto fill = [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    const Inputs<T> in{qc.data_ptr<float>(),
+    const Inputs<T> in{q_pairs ? nullptr : qc.data_ptr<float>(),
                        q_pairs ? reinterpret_cast<const at::BFloat16*>(qb.data_ptr()) : nullptr,
                        reinterpret_cast<const T*>(k_pages.data_ptr()),
                        reinterpret_cast<const T*>(v_pages.data_ptr()),
@@ -437,7 +440,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
                        reinterpret_cast<const T*>(kn.data_ptr()),
                        reinterpret_cast<const T*>(vn.data_ptr()),
                        tab, ctx, H, Hkv, G, P, BS, width, static_cast<float>(scale)};
-    dispatch<T>(in, R, D, chunks, part.data_ptr<float>(), out.data_ptr<float>());
+    float* parts = part.data_ptr<float>();
+    switch (q.scalar_type()) {
+      case at::kBFloat16: dispatch<T>(in, R, D, chunks, parts, out.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: dispatch<T>(in, R, D, chunks, parts, out.data_ptr<at::Half>()); break;
+      case at::kFloat: dispatch<T>(in, R, D, chunks, parts, out.data_ptr<float>()); break;
+      default: TORCH_CHECK(false, "decode_attention: q of bf16, fp16 or fp32");
+    }
   };
   switch (k_pages.scalar_type()) {
     case at::kBFloat16: fill(static_cast<at::BFloat16*>(nullptr)); break;
