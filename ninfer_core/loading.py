@@ -7,6 +7,7 @@ line naming the file and the problem, raised before any request is served.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,9 +29,13 @@ from ninfer_core.kernels.compose import (
 from ninfer_core.kernels.int8_act import activation_dtype_name
 from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.kv import kv_codec_name
+from ninfer_core.memory import huge_pages
 from ninfer_core.model.config import ModelConfig
+from ninfer_core.model.layers import held_tensors
 from ninfer_core.plugin_host import PluginHost, create_host
 from ninfer_core.plugin_types import Artifact, CausalLM, KernelOps, ModelFamily
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,6 +167,8 @@ def load_model(
     family.load_weights(model, artifact)
     model.pack_weights()
     model.eval()  # type: ignore[attr-defined]  # a torch.nn.Module
+    if device.kind == "cpu":  # each step streams every weight: 2 MiB pages read faster
+        log.info(huge_pages.consolidate(held_tensors(model)).describe("weights"))
     return LoadedModel(
         path=Path(path),
         artifact=artifact,

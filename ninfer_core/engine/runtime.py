@@ -26,6 +26,7 @@ from ninfer_core.engine.state_snapshots import StateSnapshots
 from ninfer_core.kv import kv_codec_name
 from ninfer_core.kv.layout import KVLayout
 from ninfer_core.kv.state import SequenceStatePool
+from ninfer_core.memory import huge_pages
 from ninfer_core.model.caches import ModelCaches, caches_for, dense_caches
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_types import KVStore
@@ -116,6 +117,16 @@ def build_runtime(
     )
 
 
+def store_tensors(store: KVStore, layers: int) -> list[torch.Tensor]:
+    """The pools under a store's pages (`raw_pages`, which it must offer), per layer."""
+    out: list[torch.Tensor] = []
+    for layer in range(layers):
+        pages = store.raw_pages(layer)
+        for pool in (pages.k, pages.v):
+            out.extend(t for t in (pool.values, pool.scales) if t is not None)
+    return out
+
+
 def assemble_runtime(
     model: torch.nn.Module,
     config: ModelConfig,
@@ -149,6 +160,8 @@ def assemble_runtime(
     where = next(model.parameters()).device
     store = codec.allocate(layout, where, compute_dtype=dtype)
     conformance.check(store, KVStore, f"the KV store codec {name!r} allocated")
+    if where.type == "cpu" and store.raw_pages is not None:  # pages read in place
+        log.info(huge_pages.collapse(store_tensors(store, layout.num_layers)).describe("K/V"))
     states = SequenceStatePool(caches, spec.max_sequences, where) if caches.has_state else None
     cached = spec.prefix_cache and (states is None or spec.state_snapshots > 0)
     blocks = BlockManager(

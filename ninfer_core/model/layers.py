@@ -7,7 +7,7 @@ that read the same input are fused at load time (q|k|v into `qkv_proj`, gate|up 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -135,30 +135,50 @@ def held_bytes(model: torch.nn.Module) -> int:
     object held twice (a tied head) counts once, and so does memory two holders share (a
     packed head over the embedding's own bytes). `CausalLM.weight_bytes` of every
     family."""
-    seen: set[int] = set()  # objects counted
     spans: set[tuple[int, int]] = set()  # (address, bytes) of the tensors counted
     total = 0
+    for value in _holdings(model):
+        if isinstance(value, torch.Tensor):
+            total += _unseen_bytes([value], spans)
+        else:
+            held = _held_tensors(value)  # QuantizedTensor, a backend's packed weight
+            total += value.nbytes if held is None else _unseen_bytes(held, spans)
+    return total
+
+
+def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a model's weights are (those `held_bytes` counts, where a holder
+    shows them): what `memory.huge_pages.advise` asks huge pages for."""
+    out: list[torch.Tensor] = []
+    for value in _holdings(model):
+        out.extend([value] if isinstance(value, torch.Tensor) else _tensors_of(value))
+    return out
+
+
+def _holdings(model: torch.nn.Module) -> Iterator[Any]:
+    """Each object a model's modules hold that is or holds weights, once: tensors, and
+    objects with an integer `nbytes` (quantized and packed weights)."""
+    seen: set[int] = set()  # objects yielded
     for module in model.modules():
         for value in (*module._parameters.values(), *vars(module).values()):
             if value is None or id(value) in seen:
                 continue
-            if isinstance(value, torch.Tensor):
-                total += _unseen_bytes([value], spans)
-            elif isinstance(getattr(value, "nbytes", None), int):
-                held = _held_tensors(value)  # QuantizedTensor, a backend's packed weight
-                total += value.nbytes if held is None else _unseen_bytes(held, spans)
-            else:
-                continue
-            seen.add(id(value))
-    return total
+            if isinstance(value, torch.Tensor) or isinstance(getattr(value, "nbytes", None), int):
+                seen.add(id(value))
+                yield value
 
 
 def _held_tensors(holder: Any) -> list[torch.Tensor] | None:
     """The tensors `holder` keeps, where they make up its `nbytes`; None where it holds
     something else too (then all of `nbytes` counts)."""
-    names = getattr(holder, "__slots__", None) or list(getattr(holder, "__dict__", {}))
-    tensors = [t for n in names if isinstance(t := getattr(holder, n, None), torch.Tensor)]
+    tensors = _tensors_of(holder)
     return tensors if sum(_size(t) for t in tensors) == holder.nbytes else None
+
+
+def _tensors_of(holder: Any) -> list[torch.Tensor]:
+    """The tensors among `holder`'s attributes."""
+    names = getattr(holder, "__slots__", None) or list(getattr(holder, "__dict__", {}))
+    return [t for n in names if isinstance(t := getattr(holder, n, None), torch.Tensor)]
 
 
 def _unseen_bytes(tensors: list[torch.Tensor], spans: set[tuple[int, int]]) -> int:
