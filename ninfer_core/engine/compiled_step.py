@@ -186,6 +186,11 @@ class CompiledGraph:
         #: The compiled code and its inputs, left by `_compile` during a traced call.
         self._captured: tuple[Callable, list] | None = None
 
+    @property
+    def direct_shapes(self) -> int:
+        """Call shapes served by direct calls so far."""
+        return len(self._direct)
+
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         """The backend: inductor's compiled code for `gm`, kept with its inputs."""
         from torch._inductor.compile_fx import compile_fx
@@ -211,9 +216,10 @@ class CompiledGraph:
         return out
 
     def _key(self, args: tuple) -> tuple | None:
-        """What picks the graph for `args`: each own argument's dtype and shape (its
-        dynamic dim left out) or its value, and the grad mode; None where an argument
-        can't be told apart that way (a non-contiguous tensor, an object)."""
+        """What picks the graph for `args`: each own argument's dtype and shape (of its
+        dynamic dim only whether it is 0, 1 or more) or its value, and the grad mode;
+        None where an argument can't be told apart that way (a non-contiguous tensor, an
+        object)."""
         key: list[object] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
         for i in self._own:
             a = args[i]
@@ -221,8 +227,8 @@ class CompiledGraph:
                 if a.stride() != _contiguous_strides(a.shape):
                     return None
                 shape = list(a.shape)
-                if i in self._dynamic:
-                    shape[self._dynamic[i]] = -1
+                if i in self._dynamic:  # sizes 0 and 1 are specialised: a graph of their own
+                    shape[self._dynamic[i]] = -min(shape[self._dynamic[i]], 2)
                 key.append((a.dtype, a.device, tuple(shape)))
             elif a is None or isinstance(a, (bool, int, float, str)):
                 key.append(a)
@@ -320,19 +326,19 @@ def page_table(meta: AttentionMetadata, ends: Seq[int], block_size: int) -> torc
     return table
 
 
-def own_code(method):
-    """`method` (bound) over a copy of its function's code object.
+def own_code(fn):
+    """`fn` (a function, or a bound method) over a copy of its function's code object.
 
     torch.compile keeps compiled graphs, and the guards that pick one, per code object:
     with its own, a compiled step's graphs are only its own batch sizes', never another
     model's (another `CompiledDecode` in the process) — what makes dropping the guards
     on its fixed arguments safe (`compile_graph`)."""
-    func = method.__func__
+    func = fn.__func__ if isinstance(fn, types.MethodType) else fn
     clone = types.FunctionType(
         func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
         func.__closure__,
     )  # fmt: skip
-    return types.MethodType(clone, method.__self__)
+    return types.MethodType(clone, fn.__self__) if isinstance(fn, types.MethodType) else clone
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -30,6 +30,7 @@ from ninfer_core.engine.compiled_step import (
     CompiledDecode,
     compile_graph,
     failure_reason,
+    own_code,
     store_refusal,
 )
 from ninfer_core.model.decode_graph import attend_cached, attend_with_new, new_at_keys
@@ -127,13 +128,19 @@ def draft_refusal(layer: torch.nn.Module, store) -> str | None:
     return store_refusal(store, "the drafter's KV store")
 
 
+#: `draft_round`'s arguments fixed for a drafter's life: its layer, head, embedding,
+#: the target's RoPE and the drafter's KV store.
+FIXED = ("layer", "head", "embed", "rotary", "store")
+
+
 class CompiledDraftRound:
     """Runs `draft_round` compiled; a failure is logged once and leaves the eager path."""
 
     def __init__(self, layer: MTPLayer, head: DraftHead, embed, rotary, store, steps: int) -> None:
         self.layer, self.head, self.embed, self.store = layer, head, embed, store
         self.rotary, self.steps_after_first = rotary, steps
-        self._fn = compile_graph(draft_round)
+        # Its own code, so the guards on the drafter's fixed parts can go (`compile_graph`).
+        self._fn = compile_graph(own_code(draft_round), fixed=FIXED, dynamic={"table": 1})
         #: Why it stopped being used, once it failed; None while it works.
         self.failed: str | None = None
         #: Rounds it drafted.
@@ -153,7 +160,8 @@ class CompiledDraftRound:
         the drafts' at `draft_slots` [steps, B]), or None when the compiled function
         failed: the caller drafts eagerly (nothing was written)."""
         device = hidden.device
-        table = tables.long()
+        # contiguous, as a direct call of the compiled graph takes its arguments
+        table = tables.to(torch.int64, memory_format=torch.contiguous_format)
         if table.shape[1] < CompiledDecode.MIN_PAGES:  # a size-1 dim would be specialised
             pad = table.new_zeros(table.shape[0], CompiledDecode.MIN_PAGES - table.shape[1])
             table = torch.cat((table, pad), 1)
@@ -161,9 +169,9 @@ class CompiledDraftRound:
         width = len(ids) // len(counts)
         real = [b * width + j for b, n in enumerate(counts) for j in range(n)]
         try:
-            drafts, k, v, kd, vd = self._fn(  # its guards all kept: not own_code
+            drafts, k, v, kd, vd = self._fn(
                 self.layer, self.head, self.embed, self.rotary,
-                torch.tensor(ids, device=device), hidden,
+                torch.tensor(ids, device=device), hidden.contiguous(),
                 torch.tensor(positions, device=device),
                 torch.tensor(counts, device=device), self.steps_after_first, self.store,
                 table,
