@@ -41,31 +41,6 @@ def test_gemv_is_the_matmul(rows, out, inp):
     _check(cpu_gemv.gemv_bf16(x, w), x, w)
 
 
-@pytest.mark.parametrize(("rows", "out", "inp"), [(1, 960, 576), (3, 37, 33), (16, 100, 1536)])
-def test_the_fp32_gemv_is_the_matmul(rows, out, inp):
-    w, x = (t.float() for t in _data(out, inp, rows, seed=3))
-    got = cpu_gemv.gemv(x, w)
-    want = x.double() @ w.double().T
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    # fp32 sums of `inp` products: a few ulps of the largest partial sums
-    err = (got.double() - want).abs().max().item()
-    assert err <= 1e-6 * (x.double().abs() @ w.double().abs().T).max().item(), err
-
-
-def test_fp32_weights_take_the_fp32_gemv_dequantized_ones_too():
-    from ninfer_core.quant.tensor import quantize
-
-    w, x = (t.float() for t in _data(64, 96, 1, seed=4))
-    ops = TorchOps("cpu")
-    lin = ops.pack_linear(w)
-    assert isinstance(lin, GemvLinear) and lin.weight.data_ptr() == w.data_ptr()
-    assert torch.allclose(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
-    q = quantize(w, "W8G32")
-    dense = ops.pack_linear(q, dtype=torch.float32)  # dequantized once, then the GEMV
-    assert isinstance(dense, GemvLinear) and dense.dtype == torch.float32
-    assert torch.equal(dense.weight, q.dequantize(torch.float32))
-
-
 def test_a_wrong_input_is_refused_with_the_reason():
     w, x = _data(8, 32, 1)
     with pytest.raises(RuntimeError, match="bf16 only"):

@@ -95,14 +95,6 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.ninfer_cpu.gemv_bf16(x, w)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N] in w's dtype (bf16 or fp32), through the built
-    operator for it."""
-    if w.dtype == torch.float32:
-        return torch.ops.ninfer_cpu.gemv_f32(x, w)
-    return gemv_bf16(x, w)
-
-
 @functools.cache
 def _register_fake() -> None:
     """The operators' shape and dtype rules for the compiler (once, after the library is
@@ -111,10 +103,6 @@ def _register_fake() -> None:
     on the old rule is reused."""
 
     @torch.library.register_fake("ninfer_cpu::gemv_bf16")
-    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.register_fake("ninfer_cpu::gemv_f32")
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
 
@@ -158,10 +146,9 @@ def codes_linear_nbytes(fmt: WeightFormat, shape: tuple[int, int]) -> int | None
 
 
 class GemvLinear(PackedLinear):
-    """A dense bf16 or fp32 `[out, in]` weight kept row-major: decode rows (up to
-    `MAX_ROWS`) run the AVX512 GEMV for its dtype, more rows (a prefill chunk)
-    `F.linear`, which reaches within 10% of oneDNN's packed GEMM at 512 rows here. One
-    copy of the weight serves both."""
+    """A dense bf16 `[out, in]` weight kept row-major: decode rows (up to `MAX_ROWS`) run
+    the AVX512-BF16 GEMV, more rows (a prefill chunk) `F.linear`, which reaches within
+    10% of oneDNN's packed GEMM at 512 rows here. One copy of the weight serves both."""
 
     #: Rows of x that still take the GEMV (decode batches, speculative rounds); each row
     #: beyond the first re-reads the weight from cache.
@@ -184,7 +171,7 @@ class GemvLinear(PackedLinear):
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] > self.MAX_ROWS:
             return F.linear(x, self.weight, b)
-        y = gemv(x, self.weight)
+        y = gemv_bf16(x, self.weight)
         return y if b is None else y + b
 
     def __repr__(self) -> str:

@@ -80,8 +80,7 @@ class TorchOps(KernelOps):
         """A dense bf16 matrix on the CPU: kept row-major for the AVX512-BF16 decode
         GEMV (`cpu_gemv.GemvLinear`) where that is built, else reordered into oneDNN's
         blocked layout (`OneDNNLinear`), whose GEMVs run about 1.5-3x `F.linear` over
-        row-major weights here; the same results to bf16 rounding either way. A dense fp32
-        matrix on the CPU takes the fp32 GEMV (`GemvLinear`) where it is built.
+        row-major weights here; the same results to bf16 rounding either way.
 
         A `QuantizedTensor` with `dtype` bf16 on the CPU becomes a `Q4GemvLinear` or
         `Q8GemvLinear` (4- or 8-bit codes, where the GEMVs are built) or else an
@@ -102,7 +101,7 @@ class TorchOps(KernelOps):
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             if self._dequantizes_once(dtype):
-                return self.pack_linear(w.dequantize(dtype))  # then as a dense matrix
+                return w.dequantize(dtype)
             return w
         if not self._reorders_dense(w.dtype):
             return w
@@ -114,14 +113,8 @@ class TorchOps(KernelOps):
         return self.device.type == "cpu" and dtype is not None and dtype.is_floating_point
 
     def _reorders_dense(self, dtype: torch.dtype | None) -> bool:
-        """Whether `pack_linear` wraps a dense matrix of `dtype` (`GemvLinear`, `OneDNNLinear`):
-        bf16, and fp32 where the GEMVs are built (torch's fp32 matmul of a decode row goes
-        to a BLAS running threads of its own beside torch's)."""
-        if self.device.type != "cpu":
-            return False
-        if dtype == torch.float32:
-            return cpu_gemv.available()
-        return dtype == torch.bfloat16 and _MKLDNN
+        """Whether `pack_linear` wraps a dense matrix of `dtype` (`GemvLinear`, `OneDNNLinear`)."""
+        return self.device.type == "cpu" and dtype == torch.bfloat16 and _MKLDNN
 
     def packed_nbytes(self, fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
         """Bytes `pack_linear` would hold for a `shape` matrix stored as `fmt_name` and run
