@@ -22,9 +22,8 @@ def measure_read_gbs(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
     Uses torch's current thread count, so call it after `torch.set_num_threads`. The
     tensor is far larger than any cache, and the best run is the least disturbed by
-    whatever else the machine is doing. It is read from the pages the engine keeps its
-    weights in (2 MiB where `memory.huge_pages` gets them: read through 4 KiB pages it
-    measured 25-35 GB/s here, below what the weights stream at).
+    whatever else the machine is doing. It is read from pages like the engine's weights
+    (2 MiB where `memory.huge_pages` gets them), so the ceiling compares like with like.
     """
     from ninfer_core.memory import huge_pages
 

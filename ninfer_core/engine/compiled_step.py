@@ -309,14 +309,20 @@ _ROOT = re.compile(r"^(?:\w+\()*(\w*)")
 
 
 def page_table(meta: AttentionMetadata, ends: Seq[int], block_size: int) -> torch.Tensor:
-    """The step's page table for a graph: [B, P] int64, P the pages of the longest
-    `decode_length` of the sequences' contexts `ends` (so a graph's attention sums over
-    the key count the eager decode does), at least `CompiledDecode.MIN_PAGES`, padded with
-    page 0; P is marked dynamic, so one graph serves every context. Laid out contiguous
-    (strides from the shape, as `CompiledGraph`'s direct calls take their arguments)."""
+    """The step's page table for a graph (`graph_table`): the pages of the longest
+    `decode_length` of the sequences' contexts `ends`, so a graph's attention sums over
+    the key count the eager decode does."""
     bs = block_size
-    pages = max(CompiledDecode.MIN_PAGES, *(-(-decode_length(c, bs) // bs) for c in ends))
-    rows = meta.block_tables  # [B, max_blocks] int32, padded with page 0
+    pages = max(-(-decode_length(c, bs) // bs) for c in ends)
+    return graph_table(meta.block_tables, pages)
+
+
+def graph_table(rows: torch.Tensor, pages: int) -> torch.Tensor:
+    """Block tables `rows` [B, N] (padded with page 0) as a graph takes them: [B, P]
+    int64, P = `pages` but at least `CompiledDecode.MIN_PAGES`, cut or padded with page
+    0; laid out contiguous (strides from the shape, as `CompiledGraph`'s direct calls
+    take their arguments); P marked dynamic, so one graph serves every context."""
+    pages = max(pages, CompiledDecode.MIN_PAGES)
     if pages <= rows.shape[1]:
         table = rows[:, :pages].to(torch.int64, memory_format=torch.contiguous_format)
     else:

@@ -82,9 +82,13 @@ def unavailable() -> str | None:
 
 def collapse(tensors: Iterable[torch.Tensor]) -> HugePages:
     """Ask for huge pages under the CPU storages of `tensors` (each once), in place."""
+    return _collapse_storages(_storages(tensors).values())
+
+
+def _collapse_storages(storages: Iterable[torch.UntypedStorage]) -> HugePages:
     reason = unavailable()
     asked = huge = 0
-    for storage in _storages(tensors):
+    for storage in storages:
         start, end = _aligned(storage.data_ptr(), storage.nbytes())
         asked += max(0, end - start)
         if reason is None and end > start:
@@ -97,19 +101,16 @@ def consolidate(tensors: Iterable[torch.Tensor], min_bytes: int | None = None) -
     """Move the CPU storages under `tensors` into huge-page arenas (see the module),
     where they add up to `min_bytes` (`MIN_CONSOLIDATED`) at least; otherwise
     `collapse` them in place."""
-    reason = unavailable()
     tensors = list({id(t): t for t in tensors}.values())
+    storages = _storages(tensors)
     least = MIN_CONSOLIDATED if min_bytes is None else min_bytes
-    if reason is not None or sum(s.nbytes() for s in _storages(tensors)) < least:
-        return collapse(tensors)
+    reason = unavailable()
+    if reason is not None or sum(s.nbytes() for s in storages.values()) < least:
+        return _collapse_storages(storages.values())
     viewers: dict[int, list[torch.Tensor]] = {}  # storage address -> its tensors
-    storages: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_sparse:
-            continue
-        storage = t.untyped_storage()
-        viewers.setdefault(storage.data_ptr(), []).append(t)
-        storages[storage.data_ptr()] = storage
+        if t.device.type == "cpu" and t.layout == torch.strided:
+            viewers.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     # Only storages every view of which is in the list: another view would keep the old
     # memory alive (the bytes held twice) and stop seeing the moved ones.
     movable = [
@@ -143,7 +144,7 @@ def consolidate(tensors: Iterable[torch.Tensor], min_bytes: int | None = None) -
         asked += end - start
         got, why = _collapse_range(start, end)  # what the faults did not make huge
         huge, reason = huge + got, reason or why
-    rest = collapse(torch.empty(0, dtype=torch.uint8).set_(s) for s in left)
+    rest = _collapse_storages(left)
     return HugePages(asked + rest.asked, huge + rest.huge, moved, reason or rest.reason)
 
 
@@ -172,13 +173,14 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The CPU storages under `tensors`, each once, by address."""
     seen: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
         if t.device.type == "cpu" and t.layout == torch.strided:
             storage = t.untyped_storage()
             seen.setdefault(storage.data_ptr(), storage)
-    return list(seen.values())
+    return seen
 
 
 def _aligned(ptr: int, nbytes: int) -> tuple[int, int]:

@@ -148,7 +148,7 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors a model's weights are (those `held_bytes` counts, where a holder
-    shows them): what `memory.huge_pages.advise` asks huge pages for."""
+    shows them): what `memory.huge_pages.consolidate` moves into huge pages."""
     out: list[torch.Tensor] = []
     for value in _holdings(model):
         out.extend([value] if isinstance(value, torch.Tensor) else _tensors_of(value))

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ninfer_core.engine.compiled_step import (
-    CompiledDecode,
     compile_graph,
     failure_reason,
+    graph_table,
     own_code,
     store_refusal,
 )
@@ -160,12 +160,7 @@ class CompiledDraftRound:
         the drafts' at `draft_slots` [steps, B]), or None when the compiled function
         failed: the caller drafts eagerly (nothing was written)."""
         device = hidden.device
-        # contiguous, as a direct call of the compiled graph takes its arguments
-        table = tables.to(torch.int64, memory_format=torch.contiguous_format)
-        if table.shape[1] < CompiledDecode.MIN_PAGES:  # a size-1 dim would be specialised
-            pad = table.new_zeros(table.shape[0], CompiledDecode.MIN_PAGES - table.shape[1])
-            table = torch.cat((table, pad), 1)
-        torch._dynamo.maybe_mark_dynamic(table, 1)
+        table = graph_table(tables, tables.shape[1])
         width = len(ids) // len(counts)
         real = [b * width + j for b, n in enumerate(counts) for j in range(n)]
         try:
