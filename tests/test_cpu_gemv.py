@@ -41,6 +41,42 @@ def test_gemv_is_the_matmul(rows, out, inp):
     _check(cpu_gemv.gemv_bf16(x, w), x, w)
 
 
+@pytest.mark.parametrize(("rows", "out", "inp"), [(1, 960, 576), (3, 37, 33), (16, 100, 1536)])
+def test_the_fp32_gemv_is_the_matmul(rows, out, inp):
+    w, x = (t.float() for t in _data(out, inp, rows, seed=3))
+    got = cpu_gemv.gemv_f32(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # fp32 sums of `inp` products: a few ulps of the largest partial sums
+    err = (got.double() - want).abs().max().item()
+    assert err <= 1e-6 * (x.double().abs() @ w.double().abs().T).max().item(), err
+
+
+def test_plain_fp32_weights_decode_on_the_fp32_gemv(monkeypatch):
+    from ninfer_core.quant.tensor import quantize
+
+    w, x = (t.float() for t in _data(64, 96, 17, seed=4))
+    ops = TorchOps("cpu")
+    assert ops.pack_linear(w) is w  # stays a plain tensor
+    calls = []
+    monkeypatch.setattr(cpu_gemv, "gemv_f32", lambda *a: calls.append(a) or a[0] @ a[1].T)
+    want = x.double() @ w.double().T
+    for rows in (1, 16, 17):
+        with torch.inference_mode():
+            got = ops.linear(x[:rows], w)
+        assert torch.allclose(got.double(), want[:rows], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2  # 17 rows (a prefill chunk) take F.linear
+    q = quantize(w, "W8G32")
+    dense = ops.pack_linear(q, dtype=torch.float32)  # dequantized once, then the GEMV
+    assert torch.equal(dense, q.dequantize(torch.float32))
+    with torch.inference_mode():
+        ops.linear(x[:1], dense)
+    assert len(calls) == 3
+    grad_w = w.clone().requires_grad_()
+    ops.linear(x[:1], grad_w)  # autograd needs torch's own matmul
+    assert len(calls) == 3
+
+
 def test_a_wrong_input_is_refused_with_the_reason():
     w, x = _data(8, 32, 1)
     with pytest.raises(RuntimeError, match="bf16 only"):

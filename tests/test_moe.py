@@ -86,6 +86,14 @@ def ours(config: MoEConfig, tensors, dtype: torch.dtype = torch.float32) -> Spar
     return SparseMoE.from_checkpoint(tensors, config, HIDDEN, TorchOps("cpu"), dtype, PREFIX)
 
 
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to fp32 rounding: sums taken in another order (a GEMV's lanes, a BLAS's
+    blocks) differ by a few ulps of the largest outputs, so the bound scales with them."""
+    scale = max(1.0, want.abs().max().item())
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * scale, (err, scale)
+
+
 def inputs(tokens: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
@@ -100,7 +108,7 @@ def test_matches_transformers_fp32(tokens, norm):
     want = hf_block(config, tensors)(x[None])[0]
     got = ours(config, tensors)(x)
     assert got.shape == (tokens, HIDDEN) and got.dtype == torch.float32
-    assert (got - want).abs().max().item() <= 1e-5
+    assert_fp32_close(got, want)
 
 
 @torch.no_grad()
@@ -135,7 +143,7 @@ def test_experts_without_tokens():
     _, ids = route(x @ router.T, TOP_K, True)
     assert set(ids.flatten().tolist()) == set(range(TOP_K))
     want = hf_block(config, tensors)(x[None])[0]
-    assert (block(x) - want).abs().max().item() <= 1e-5
+    assert_fp32_close(block(x), want)
     assert block(x[:0]).shape == (0, HIDDEN)
 
 
@@ -166,7 +174,7 @@ def test_no_shared_expert():
     with_shared = moe_config()
     full = ours(with_shared, {**checkpoint(with_shared), **tensors})
     shared = torch.sigmoid(x @ full.shared_expert_gate.T) * full.shared_expert(x)
-    assert (block(x) - (full(x) - shared)).abs().max().item() <= 1e-5
+    assert_fp32_close(block(x), full(x) - shared)
 
 
 class KeepQuantized(TorchOps):
@@ -192,8 +200,8 @@ def test_quantized_experts_match_their_dequantized_weights():
     )
     assert isinstance(kept.experts[0].gate_up_proj, QuantizedTensor)
     assert kept.experts[0].gate_up_proj.shape == (2 * MOE_I, HIDDEN)
-    assert (kept(x) - want).abs().max().item() <= 1e-5
-    assert (ours(config, quant)(x) - want).abs().max().item() <= 1e-5  # dequantized once
+    assert_fp32_close(kept(x), want)
+    assert_fp32_close(ours(config, quant)(x), want)  # dequantized once
 
 
 @torch.no_grad()

@@ -6,8 +6,10 @@ Plain PyTorch ops; runs wherever torch runs. Attention gathers each sequence's c
 pages and calls `F.scaled_dot_product_attention` (grouped-query heads through
 `enable_gqa`) for prefill, two small matmuls for a decode row (or, on CPUs that build
 it, the decode attention operator over the pages in place, `cpu_attention`); masks are
-built once per step in `prepare`, not per layer. The linear-attention ops (`gated_delta_rule`,
-`causal_conv1d`) are `ninfer_core.kernels.delta_rule`'s.
+built once per step in `prepare`, not per layer. Decode rows of a plain fp32 matrix take
+the fp32 GEMV operator where it is built (`cpu_gemv.gemv_f32`), not torch's BLAS. The
+linear-attention ops (`gated_delta_rule`, `causal_conv1d`) are
+`ninfer_core.kernels.delta_rule`'s.
 
 Quantized weights (`QuantizedTensor`) run one of two ways. The reference dequantizes
 row chunks into the activations' dtype and calls `F.linear` (exact: the same numbers a
@@ -66,6 +68,8 @@ class TorchOps(KernelOps):
         #: `apply_rope`'s full-width cos and signed sin, derived from the step's cos/sin
         #: by the first layer and reused by the rest (the step's tensors are the key).
         self._rope_tables: tuple[torch.Tensor, ...] = ()
+        #: Plain fp32 matrices decode on `cpu_gemv.gemv_f32` (`linear`).
+        self._f32_gemv = self.device.type == "cpu" and cpu_gemv.available()
 
     def linear(self, x, w, b=None):
         if isinstance(w, PackedLinear):  # what `pack_linear` made: it runs itself
@@ -74,6 +78,9 @@ class TorchOps(KernelOps):
             if self._int8_acts and x.shape[0] > int8_act.PREFILL_MIN_ROWS:
                 return int8_act.int8_linear(x, w, b)  # W8A8 / W4A8 prefill
             return w.linear(x, b)
+        if self._f32_gemv and cpu_gemv.f32_decodes(x, w):
+            y = cpu_gemv.gemv_f32(x, w)
+            return y if b is None else y + b
         return F.linear(x, w, b)
 
     def pack_linear(self, w, *, dtype=None):
