@@ -70,8 +70,21 @@ class TorchOps(KernelOps):
         self._rope_tables: tuple[torch.Tensor, ...] = ()
         #: Plain fp32 matrices decode on `cpu_gemv.gemv_f32` (`linear`).
         self._f32_gemv = self.device.type == "cpu" and cpu_gemv.available()
+        #: The step's rows and how many of them lead as decode rows (`prepare`).
+        self._step_rows = self._lead_rows = 0
 
     def linear(self, x, w, b=None):
+        """Decode rows beside a prefill chunk are multiplied apart from it, as they are
+        when they decode alone: a decode GEMV and a prefill GEMM round differently
+        (SmolLM2's logits moved by up to 0.25), so another client's prompt would change
+        a greedy answer. The prefill rows' extra read of the weight is small next to
+        their GEMM."""
+        lead = self._lead_rows
+        if x.shape[0] > GemvLinear.MAX_ROWS and 0 < lead < x.shape[0] == self._step_rows:
+            return torch.cat((self._linear(x[:lead], w, b), self._linear(x[lead:], w, b)))
+        return self._linear(x, w, b)
+
+    def _linear(self, x, w, b=None):
         if isinstance(w, PackedLinear):  # what `pack_linear` made: it runs itself
             return w(x, b)
         if isinstance(w, QuantizedTensor):
@@ -206,6 +219,7 @@ class TorchOps(KernelOps):
             for qlen, ctx, table in zip(meta.query_lens, meta.context_lens, tables, strict=True)
         ]
         meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables, few=few)
+        self._step_rows, self._lead_rows = offset, leading_decode_rows(meta.query_lens)
 
     def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
         """Each sequence attends over its own pages only: a ragged batch is never padded
@@ -301,6 +315,18 @@ def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: 
 #: Query rows a sequence may run in one step and still attend the way a one-token decode
 #: does: a speculative round verifies up to 1 + 8 drafts (`spec.config.MAX_DRAFT_TOKENS`).
 FEW_ROWS = 9
+
+
+def leading_decode_rows(query_lens) -> int:
+    """Rows of the step's leading sequences of a few rows each (decodes and speculative
+    rounds come first in a batch), as many as one decode GEMV takes: what those
+    sequences would run as a step of their own."""
+    rows = 0
+    for qlen in query_lens:
+        if qlen > FEW_ROWS or rows + qlen > GemvLinear.MAX_ROWS:
+            break
+        rows += qlen
+    return rows
 
 
 def _decode_rows(

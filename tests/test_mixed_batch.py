@@ -1,0 +1,79 @@
+"""A decode row computes the same logits beside another sequence's prefill chunk as it does
+alone, bit for bit: a greedy answer must not depend on what other clients send.
+
+Past 16 rows a step's linears leave the decode GEMV for a GEMM that rounds differently
+(the built-in model's logits moved by 0.03, SmolLM2's by 0.25); the reference kernels
+multiply a step's leading decode rows apart from the prefill rows behind them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import write_tiny_qwen3
+from text_fixtures import write_model_dir
+
+from ninfer_core.builtin_model import default_model
+from ninfer_core.config import RuntimeConfig
+from ninfer_core.device import probe_device
+from ninfer_core.engine.sequence import Sequence
+from ninfer_core.generation import one_request_engine
+from ninfer_core.kernels.reference import leading_decode_rows
+from ninfer_core.loading import load_model
+from ninfer_core.plugin_host import create_host
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = [(7 * i + 3) % 250 for i in range(21)]
+
+
+def runner_for(path, dtype: str):
+    host, device = create_host(), probe_device(use_cuda=False)
+    runtime = RuntimeConfig(dtype=dtype, max_context=256)
+    loaded = load_model(path, host=host, device=device, runtime=runtime)
+    return one_request_engine(loaded, host=host, device=device, runtime=runtime).runner
+
+
+def decode_row(runner, beside: int) -> torch.Tensor:
+    """The logits of one decode step after `PROMPT`, with a `beside`-token prompt's
+    prefill in the same step (none when 0)."""
+    seq = Sequence(list(PROMPT))
+    runner.run([(seq, len(PROMPT))])
+    seq.append_token(5)
+    batch = [(seq, 1)]
+    if beside:
+        batch.append((Sequence([(11 * i + 1) % 250 for i in range(beside)]), beside))
+    try:
+        return runner.run(batch)[0]
+    finally:
+        for s, _ in batch:
+            runner.block_manager.free(s)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_qwen3(
+        tmp_path_factory.mktemp("mixed") / "hf", num_hidden_layers=2, hidden_size=64,
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512,
+    )  # fmt: skip
+    write_model_dir(path)  # a tokenizer beside the weights
+    return path
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("builtin", "bf16"), ("tiny", "fp32")])
+def test_a_decode_row_beside_a_prefill_is_the_row_alone(request, model, dtype):
+    path = default_model() if model == "builtin" else request.getfixturevalue("tiny")
+    runner = runner_for(path, dtype)
+    alone = decode_row(runner, 0)
+    for beside in (3, 15, 16, 40):  # 1 + 15 rows still one GEMV; 17 and 41 are not
+        got = decode_row(runner, beside)
+        assert torch.equal(got, alone), (beside, (got - alone).abs().max().item())
+
+
+def test_the_leading_decode_rows_are_those_one_gemv_takes():
+    assert leading_decode_rows([1, 1, 40]) == 2
+    assert leading_decode_rows([1, 4, 1, 30]) == 6  # a speculative round of 1 + 3 drafts
+    assert leading_decode_rows([40, 1]) == 0  # decodes come first, or none lead
+    assert leading_decode_rows([1] * 20) == 16  # one GEMV's rows at most
+    assert leading_decode_rows([9, 9]) == 9
