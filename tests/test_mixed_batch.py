@@ -52,11 +52,7 @@ def decode_row(runner, beside: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = write_tiny_qwen3(
-        tmp_path_factory.mktemp("mixed") / "hf", num_hidden_layers=2, hidden_size=64,
-        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=512,
-    )  # fmt: skip
+    path = write_tiny_qwen3(tmp_path_factory.mktemp("mixed") / "hf")
     write_model_dir(path)  # a tokenizer beside the weights
     return path
 
