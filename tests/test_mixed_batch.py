@@ -29,22 +29,23 @@ PROMPT = [(7 * i + 3) % 250 for i in range(21)]
 
 def runner_for(path, dtype: str):
     host, device = create_host(), probe_device(use_cuda=False)
-    runtime = RuntimeConfig(dtype=dtype, max_context=256)
+    runtime = RuntimeConfig(dtype=dtype, max_context=1024)  # pages for 18 sequences
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     return one_request_engine(loaded, host=host, device=device, runtime=runtime).runner
 
 
-def decode_row(runner, beside: int) -> torch.Tensor:
-    """The logits of one decode step after `PROMPT`, with a `beside`-token prompt's
-    prefill in the same step (none when 0)."""
-    seq = Sequence(list(PROMPT))
-    runner.run([(seq, len(PROMPT))])
-    seq.append_token(5)
-    batch = [(seq, 1)]
+def decode_rows(runner, beside: int, decodes: int = 1) -> torch.Tensor:
+    """The logits of one decode step of `decodes` sequences after `PROMPT` (each its own
+    variant), with a `beside`-token prompt's prefill in the same step (none when 0)."""
+    seqs = [Sequence([(t + i) % 250 for t in PROMPT]) for i in range(decodes)]
+    for seq in seqs:
+        runner.run([(seq, len(PROMPT))])
+        seq.append_token(5)
+    batch = [(seq, 1) for seq in seqs]
     if beside:
         batch.append((Sequence([(11 * i + 1) % 250 for i in range(beside)]), beside))
     try:
-        return runner.run(batch)[0]
+        return runner.run(batch)[:decodes]
     finally:
         for s, _ in batch:
             runner.block_manager.free(s)
@@ -52,7 +53,7 @@ def decode_row(runner, beside: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = write_tiny_qwen3(tmp_path_factory.mktemp("mixed") / "hf")
+    path = write_tiny_qwen3(tmp_path_factory.mktemp("mixed") / "hf", max_position_embeddings=1024)
     write_model_dir(path)  # a tokenizer beside the weights
     return path
 
@@ -61,15 +62,16 @@ def tiny(tmp_path_factory):
 def test_a_decode_row_beside_a_prefill_is_the_row_alone(request, model, dtype):
     path = default_model() if model == "builtin" else request.getfixturevalue("tiny")
     runner = runner_for(path, dtype)
-    alone = decode_row(runner, 0)
-    for beside in (3, 15, 16, 40):  # 1 + 15 rows still one GEMV; 17 and 41 are not
-        got = decode_row(runner, beside)
-        assert torch.equal(got, alone), (beside, (got - alone).abs().max().item())
+    for decodes in (1, 3, 18):  # 18 decode rows alone are one GEMM, not the GEMV
+        alone = decode_rows(runner, 0, decodes)
+        for beside in (3, 15, 16, 40):  # 1 + 15 rows still one GEMV; 17 and 41 are not
+            got = decode_rows(runner, beside, decodes)
+            assert torch.equal(got, alone), (decodes, beside, (got - alone).abs().max().item())
 
 
-def test_the_leading_decode_rows_are_those_one_gemv_takes():
+def test_the_leading_decode_rows_are_the_steps_decodes_and_rounds():
     assert leading_decode_rows([1, 1, 40]) == 2
     assert leading_decode_rows([1, 4, 1, 30]) == 6  # a speculative round of 1 + 3 drafts
     assert leading_decode_rows([40, 1]) == 0  # decodes come first, or none lead
-    assert leading_decode_rows([1] * 20) == 16  # one GEMV's rows at most
-    assert leading_decode_rows([9, 9]) == 9
+    assert leading_decode_rows([1] * 20 + [30]) == 20  # what the 20 decodes run alone
+    assert leading_decode_rows([9, 9, 10]) == 18

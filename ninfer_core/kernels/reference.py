@@ -319,11 +319,11 @@ FEW_ROWS = 9
 
 def leading_decode_rows(query_lens) -> int:
     """Rows of the step's leading sequences of a few rows each (decodes and speculative
-    rounds come first in a batch), as many as one decode GEMV takes: what those
-    sequences would run as a step of their own."""
+    rounds come first in a batch): multiplied on their own, they run the linears of the
+    step those sequences make once no prompt is prefilling beside them."""
     rows = 0
     for qlen in query_lens:
-        if qlen > FEW_ROWS or rows + qlen > GemvLinear.MAX_ROWS:
+        if qlen > FEW_ROWS:
             break
         rows += qlen
     return rows
