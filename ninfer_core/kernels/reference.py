@@ -78,7 +78,11 @@ class TorchOps(KernelOps):
         when they decode alone: a decode GEMV and a prefill GEMM round differently
         (SmolLM2's logits moved by up to 0.25), so another client's prompt would change
         a greedy answer. The prefill rows' extra read of the weight is small next to
-        their GEMM."""
+        their GEMM. A compiled graph (a decode step or a round, never a prefill) does not
+        split: it runs without `prepare`, so the step's counts would be the last eager
+        step's."""
+        if torch.compiler.is_compiling():
+            return self._linear(x, w, b)
         lead = self._lead_rows
         if x.shape[0] > GemvLinear.MAX_ROWS and 0 < lead < x.shape[0] == self._step_rows:
             return torch.cat((self._linear(x[:lead], w, b), self._linear(x[lead:], w, b)))
