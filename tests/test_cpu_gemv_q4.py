@@ -34,7 +34,8 @@ def _x(rows: int, inp: int, seed: int = 1) -> torch.Tensor:
 def _emulated(x: torch.Tensor, qt) -> torch.Tensor:
     """x as the kernels carry it, in two int8 planes per block of 32 columns: with
     s = x * (127 / max|x|) (fp32, as the kernel forms it), q = round(s) and
-    r = round((s - q) * 254) (half to even), x = dx * (q + r / 254), dx = max|x| / 127;
+    r = min(round((s - q) * 256), 127) (half to even), x = dx * (q + r / 256),
+    dx = max|x| / 127;
     then y = that x times the exact weights, in float64."""
     rows, cols = x.shape
     kp = qt.padded_cols
@@ -43,8 +44,8 @@ def _emulated(x: torch.Tensor, qt) -> torch.Tensor:
     inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1), 0)
     s = xp * inv
     q = torch.round(s)
-    r = torch.round((s - q) * 254)
-    xe = (q.double() + r.double() / 254) * (amax.double() / 127)
+    r = torch.round((s - q) * 256).clamp(max=127)
+    xe = (q.double() + r.double() / 256) * (amax.double() / 127)
     w = torch.nn.functional.pad(qt.dequantize(torch.float64), (0, kp - cols))
     return xe.view(rows, kp) @ w.T
 
