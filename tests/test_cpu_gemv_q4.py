@@ -92,9 +92,10 @@ def test_the_planners_bytes_are_the_built_bytes(fmt, shape):
     qt = _weight(fmt, *shape)
     lin = Q4GemvLinear(qt)
     assert Q4GemvLinear.nbytes_for(qt.fmt, shape) == lin.nbytes
-    # half a byte a weight and an fp16 scale (and min) per 32 columns
-    kp = qt.padded_cols
-    assert lin.nbytes == shape[0] * kp // 2 + shape[0] * kp // 32 * 2 * (2 if qt.fmt.mins else 1)
+    # half a byte a weight and an fp16 scale (and min) per group, as loaded (Q4G64: 4.25
+    # bits a weight)
+    kp, group = qt.padded_cols, qt.fmt.group
+    assert lin.nbytes == shape[0] * kp // 2 + shape[0] * kp // group * 2 * (2 if qt.fmt.mins else 1)
 
 
 def test_the_8_bit_layer_holds_the_loaded_tensors():
@@ -112,6 +113,33 @@ def test_load_in_row_chunks_matches_one_piece(monkeypatch):
     monkeypatch.setattr(Q4GemvLinear, "CHUNK_ROWS", 16)
     chunked = Q4GemvLinear(qt)
     assert torch.equal(whole.codes, chunked.codes)
+
+
+@pytest.mark.parametrize("op", ["gemv_q4", "gemv_q8"])
+@pytest.mark.parametrize("blocks", [2, 4, 8, 16])
+def test_one_scale_per_group_is_the_scale_repeated_per_block(op, blocks):
+    """A group of 64-512 columns keeps one scale (and min) per group; the operator
+    spreads it over the group's blocks of 32, exactly as the scales repeated per block."""
+    g = torch.Generator().manual_seed(3)
+    rows, cols = 24, 1536
+    nbytes = cols // 2 if op == "gemv_q4" else cols
+    codes = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(rows, cols // 32 // blocks, generator=g) * 0.02).half()
+    mins = (torch.randn(rows, cols // 32 // blocks, generator=g) * 0.05).half()
+    per_block = (scales.repeat_interleave(blocks, 1), mins.repeat_interleave(blocks, 1))
+    x = _x(3, cols)
+    run = getattr(torch.ops.ninfer_cpu, op)
+    if op == "gemv_q4":
+        for m, mb in ((None, None), (mins, per_block[1])):
+            assert torch.equal(run(x, codes, scales, m), run(x, codes, per_block[0], mb))
+    else:
+        assert torch.equal(run(x, codes, scales), run(x, codes, per_block[0]))
+
+
+def test_a_group_the_operators_cant_spread_is_refused():
+    x, codes = _x(1, 96), torch.zeros(4, 48, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="group of 32, 64, 128, 256 or 512"):
+        torch.ops.ninfer_cpu.gemv_q4(x, codes, torch.ones(4, 1, dtype=torch.half), None)
 
 
 def test_other_widths_are_not_taken():

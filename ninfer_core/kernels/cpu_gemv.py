@@ -151,15 +151,29 @@ def _register_fake() -> None:
         return q.new_empty(q.shape)  # in q's dtype
 
 
+def _group_supported(group: int) -> bool:
+    """Whether the operators take this group width: 1-16 whole blocks of 32 columns that
+    tile a step of 16 blocks (32, 64, 128, 256 or 512 columns); a group's one scale is
+    spread over its blocks in registers."""
+    return group % 32 == 0 and 16 % (group // 32) == 0
+
+
+def _per_block(values: torch.Tensor, padded_in: int) -> torch.Tensor:
+    """Held scales or mins of some rows as fp32 `[rows, blocks of 32, 1]`."""
+    v = values.to(torch.float32)
+    return v.repeat_interleave(padded_in // 32 // v.shape[1], dim=1)[..., None]
+
+
 def codes_supported(
     fmt: WeightFormat, device: torch.device | str, dtype: torch.dtype | None
 ) -> bool:
     """Whether `codes_linear` runs weights of `fmt` for `dtype` activations on `device`:
-    4- or 8-bit codes in groups of a multiple of 32, bf16 on the CPU, the GEMVs built."""
+    4- or 8-bit codes in groups the operators take (`_group_supported`), bf16 on the CPU,
+    the GEMVs built."""
     return (
         fmt.quantized
         and fmt.bits in (4, 8)
-        and fmt.group % 32 == 0
+        and _group_supported(fmt.group)
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and available()
@@ -230,10 +244,10 @@ class _CodesGemvLinear(PackedLinear):
 
     def __init__(self, w: QuantizedTensor) -> None:
         _require()
-        if w.fmt.bits != self.BITS or w.fmt.group % 32:
+        if w.fmt.bits != self.BITS or not _group_supported(w.fmt.group):
             raise ValueError(
-                f"{type(self).__name__} takes {self.BITS}-bit codes in groups of 32k, "
-                f"not {w.fmt.name}"
+                f"{type(self).__name__} takes {self.BITS}-bit codes in groups of 32, 64, "
+                f"128, 256 or 512 columns, not {w.fmt.name}"
             )
         self.out_features, self.in_features = w.shape
         self.padded_in = w.padded_cols
@@ -273,8 +287,9 @@ class Q4GemvLinear(_CodesGemvLinear):
     1.15-1.25x torch's int4 kernel over SmolLM2's and Qwen3-0.6B's layers, out of cache.
 
     Held: the codes re-laid in ggml's block order (a block's 16 bytes hold its columns j
-    and j + 16), half a byte a weight, and an fp16 scale (and min) per 32 columns; a
-    group of 64 repeats its scale for both halves.
+    and j + 16), half a byte a weight, and the loaded fp16 scales (and mins), one per
+    group: the operator spreads a group's scale over its blocks of 32 (groups of 32-512
+    columns; others are repeated per 32 at load).
     """
 
     BITS = 4
@@ -283,7 +298,7 @@ class Q4GemvLinear(_CodesGemvLinear):
 
     def __init__(self, w: QuantizedTensor) -> None:
         super().__init__(w)
-        rows, blocks, repeat = self.out_features, self.padded_in // 32, w.fmt.group // 32
+        rows, blocks = self.out_features, self.padded_in // 32
         self.codes = torch.empty(rows, self.padded_in // 2, dtype=torch.uint8)
         for start in range(0, rows, self.CHUNK_ROWS):
             part = w.narrow_rows(start, min(self.CHUNK_ROWS, rows - start))
@@ -291,15 +306,16 @@ class Q4GemvLinear(_CodesGemvLinear):
             self.codes[start : start + u.shape[0]] = (u[:, :, 0] | (u[:, :, 1] << 4)).view(
                 -1, self.padded_in // 2
             )
-        self.scales = w.scales.repeat_interleave(repeat, dim=1).contiguous()
-        self.mins = None if w.mins is None else w.mins.repeat_interleave(repeat, dim=1).contiguous()
+        self.scales = w.scales.contiguous()
+        self.mins = None if w.mins is None else w.mins.contiguous()
 
     @staticmethod
     def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
         """`nbytes` of the `Q4GemvLinear` of a `shape` matrix in `fmt`, from the shape."""
         rows, cols = int(shape[0]), int(shape[1])
         padded = fmt.padded_cols(cols)
-        return rows * padded // 2 + rows * (padded // 32) * 2 * (2 if fmt.mins else 1)
+        groups = padded // fmt.group
+        return rows * padded // 2 + rows * groups * 2 * (2 if fmt.mins else 1)
 
     @property
     def nbytes(self) -> int:
@@ -312,9 +328,8 @@ class Q4GemvLinear(_CodesGemvLinear):
         `QuantizedTensor.dequantize` computes them."""
         c = self.codes[start : start + n].view(n, -1, 16)
         u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32)  # [n, blocks, 32]
-        d = self.scales[start : start + n].to(torch.float32)[..., None]
-        mins = None if self.mins is None else self.mins[start : start + n]
-        m = -8 * d if mins is None else mins.to(torch.float32)[..., None]
+        d = _per_block(self.scales[start : start + n], self.padded_in)
+        m = -8 * d if self.mins is None else _per_block(self.mins[start : start + n], self.padded_in)
         return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,8 +348,7 @@ class Q8GemvLinear(_CodesGemvLinear):
     def __init__(self, w: QuantizedTensor) -> None:
         super().__init__(w)
         self.codes = w.packed.contiguous()
-        repeat = w.fmt.group // 32
-        self.scales = w.scales.repeat_interleave(repeat, 1) if repeat > 1 else w.scales.contiguous()
+        self.scales = w.scales.contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -342,7 +356,7 @@ class Q8GemvLinear(_CodesGemvLinear):
 
     def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         u = self.codes[start : start + n].view(n, -1, 32).to(torch.float32).sub_(128)
-        d = self.scales[start : start + n].to(torch.float32)[..., None]
+        d = _per_block(self.scales[start : start + n], self.padded_in)
         return u.mul_(d).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:

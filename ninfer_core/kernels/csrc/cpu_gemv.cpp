@@ -120,7 +120,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // ------------------------------------------------------- 4- and 8-bit weights
 //
 // `gemv_q4`: weights of 4-bit codes u (0..15) in blocks of 32 columns, w = d * u + m with
-// an fp16 scale d and min m per block (a symmetric format passes no mins: m = -8 d).
+// an fp16 scale d and min m per group of 1-16 blocks (a symmetric format passes no mins:
+// m = -8 d).
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
 // Q4_0/Q4_1 do. `gemv_q8`: 8-bit codes stored u = code + 128, w = d * (u - 128) (ggml's
 // Q8_0). x is quantized per call, per block of 32, to two int8 planes (`quantize_x`),
@@ -230,12 +231,22 @@ inline __m512i spread(int per, int c) {
   return _mm512_load_si512(idx);
 }
 
+// A row's fp16 scales (or mins) of blocks b .. b + 15 as 16 fp32: one value per group of
+// `gb` blocks (gb divides 16), loaded once and spread over the group's blocks by `expand`.
+// A group of 64 or more keeps one scale per group in memory (Q4G64: 4.25 bits a weight,
+// not 4.5 with its scale repeated per block).
+inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gb, __m512i expand) {
+  const int64_t n = (left + gb - 1) / gb;
+  const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), d + b / gb));
+  return gb == 1 ? v : _mm512_permutexvar_ps(expand, v);
+}
+
 // One 4-bit weight row against one quantized x row: 16 blocks (four chunks) a step,
 // their scales d * dx / 256 and offset terms computed once, each chunk's four lanes per
 // block scaled by a permute into one of two accumulators (two FMA chains, not one).
 template <bool kMins>
 inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
-                    const QuantX& q, int64_t m, const __m512i* lanes) {
+                    int gb, __m512i expand, const QuantX& q, int64_t m, const __m512i* lanes) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
   const int8_t* xlo = q.lo.data() + m * q.blocks * 16;
   const int8_t* xhi = q.hi.data() + m * q.blocks * 16;
@@ -247,11 +258,9 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
-    const __mmask16 smask = (__mmask16)((1u << left) - 1);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(smask, d + b));
+    const __m512 dw = block_values(d, b, left, gb, expand);
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
-    const __m512 mterm = kMins ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(smask, mn + b))
-                               : _mm512_mul_ps(dw, off);
+    const __m512 mterm = kMins ? block_values(mn, b, left, gb, expand) : _mm512_mul_ps(dw, off);
     macc = _mm512_fmadd_ps(mterm, _mm512_loadu_ps(sx + b), macc);
     for (int c = 0; c < 4 && 4 * c < left; ++c) {
       const int64_t blocks = std::min<int64_t>(4, left - 4 * c);
@@ -276,8 +285,8 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
 
 // One 8-bit weight row (stored codes u = code + 128, 0..255, w = d * (u - 128)): 16
 // blocks (eight chunks of two) a step.
-inline float dot_q8(const uint8_t* codes, const uint16_t* d, int64_t nb, const QuantX& q,
-                    int64_t m, const __m512i* lanes) {
+inline float dot_q8(const uint8_t* codes, const uint16_t* d, int64_t nb, int gb, __m512i expand,
+                    const QuantX& q, int64_t m, const __m512i* lanes) {
   const int8_t* xq = q.xq.data() + m * q.blocks * 32;
   const int8_t* xq2 = q.xq2.data() + m * q.blocks * 32;
   const float* dx = q.dx.data() + m * q.blocks;
@@ -286,8 +295,7 @@ inline float dot_q8(const uint8_t* codes, const uint16_t* d, int64_t nb, const Q
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
-    const __mmask16 smask = (__mmask16)((1u << left) - 1);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(smask, d + b));
+    const __m512 dw = block_values(d, b, left, gb, expand);
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
     for (int c = 0; c < 8 && 2 * c < left; ++c) {
       const __mmask64 cmask = left - 2 * c >= 2 ? ~0ull : (1ull << 32) - 1;
@@ -311,11 +319,13 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
                       const std::optional<at::Tensor>& mins, int bits) {
   const char* name = bits == 4 ? "gemv_q4" : "gemv_q8";
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2, name,
-              ": x [M, K], codes [N, K * bits / 8], scales [N, K / 32]");
+              ": x [M, K], codes [N, K * bits / 8], scales [N, K / group]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
+  const int64_t groups = scales.size(1), gb = groups > 0 && nb % groups == 0 ? nb / groups : 0;
   TORCH_CHECK(K % 32 == 0 && codes.size(1) * 8 == K * bits && scales.size(0) == N &&
-                  scales.size(1) == nb,
-              name, ": x [M, K] with K a multiple of 32, codes [N, K * bits / 8], scales [N, K / 32]");
+                  gb > 0 && 16 % gb == 0,
+              name, ": x [M, K] with K a multiple of 32, codes [N, K * bits / 8], scales [N, K / group] ",
+              "with a group of 32, 64, 128, 256 or 512 columns");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && codes.scalar_type() == at::kByte &&
                   scales.scalar_type() == at::kHalf,
               name, ": bf16 x, uint8 codes, fp16 scales");
@@ -335,14 +345,19 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int per = bits == 4 ? 4 : 8;
   __m512i lanes[8];
   for (int c = 0; c < per; ++c) lanes[c] = spread(per, c);
+  alignas(64) int32_t idx[16];
+  for (int l = 0; l < 16; ++l) idx[l] = l / gb;
+  const __m512i expand = _mm512_load_si512(idx);
+  const int g = int(gb);
   const int64_t row_bytes = K * bits / 8;
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         const uint8_t* c = cp + n * row_bytes;
-        const float s = bits == 8 ? dot_q8(c, dp + n * nb, nb, qx, m, lanes)
-                        : mp      ? dot_q4<true>(c, dp + n * nb, mp + n * nb, nb, qx, m, lanes)
-                                  : dot_q4<false>(c, dp + n * nb, nullptr, nb, qx, m, lanes);
+        const uint16_t* d = dp + n * groups;
+        const float s = bits == 8 ? dot_q8(c, d, nb, g, expand, qx, m, lanes)
+                        : mp ? dot_q4<true>(c, d, mp + n * groups, nb, g, expand, qx, m, lanes)
+                             : dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, lanes);
         yp[m * N + n] = to_bf16(s);
       }
   });
