@@ -328,8 +328,9 @@ class Q4GemvLinear(_CodesGemvLinear):
         `QuantizedTensor.dequantize` computes them."""
         c = self.codes[start : start + n].view(n, -1, 16)
         u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32)  # [n, blocks, 32]
-        d = _per_block(self.scales[start : start + n], self.padded_in)
-        m = -8 * d if self.mins is None else _per_block(self.mins[start : start + n], self.padded_in)
+        rows = slice(start, start + n)
+        d = _per_block(self.scales[rows], self.padded_in)
+        m = -8 * d if self.mins is None else _per_block(self.mins[rows], self.padded_in)
         return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
