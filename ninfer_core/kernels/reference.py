@@ -68,8 +68,9 @@ class TorchOps(KernelOps):
         #: `apply_rope`'s full-width cos and signed sin, derived from the step's cos/sin
         #: by the first layer and reused by the rest (the step's tensors are the key).
         self._rope_tables: tuple[torch.Tensor, ...] = ()
-        #: Plain fp32 matrices decode on `cpu_gemv.gemv_f32` (`linear`).
-        self._f32_gemv = self.device.type == "cpu" and cpu_gemv.available()
+        #: Plain fp32 matrices decode on `cpu_gemv.gemv_f32` (`linear`): set by
+        #: `pack_linear` when it keeps one (`_keep_plain`).
+        self._f32_gemv = False
         #: The step's rows and how many of them lead as decode rows (`prepare`).
         self._step_rows = self._lead_rows = 0
 
@@ -125,11 +126,20 @@ class TorchOps(KernelOps):
             if int4_format_supported(w.fmt, self.device, dtype):
                 return Int4Linear(w)
             if self._dequantizes_once(dtype):
-                return w.dequantize(dtype)
+                return self._keep_plain(w.dequantize(dtype))
             return w
         if not self._reorders_dense(w.dtype):
-            return w
+            return self._keep_plain(w)
         return GemvLinear(w) if cpu_gemv.available() else OneDNNLinear(w)
+
+    def _keep_plain(self, w: torch.Tensor) -> torch.Tensor:
+        """A matrix `pack_linear` keeps as a plain tensor. An fp32 one on the CPU switches
+        on the fp32 decode GEMV, decided here, at load: a compiled graph can't ask whether
+        the operators are built, and a process that only plans (`ninfer plan`) never
+        builds them."""
+        if not self._f32_gemv and w.dtype == torch.float32 and self.device.type == "cpu":
+            self._f32_gemv = cpu_gemv.available()
+        return w
 
     def _dequantizes_once(self, dtype: torch.dtype | None) -> bool:
         """Whether `pack_linear` turns a quantized matrix the int4 kernel can't run for
