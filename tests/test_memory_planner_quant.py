@@ -47,13 +47,13 @@ def stored(fmt_name: str, rows: int, cols: int) -> int:
 
 def int4_packed(fmt_name: str, rows: int, cols: int) -> int:
     """What CPU bf16 holds. 4-bit codes on the Q4 GEMV: half a byte a code and an fp16
-    scale per 32 columns. 8-bit codes on the Q8 GEMV: the stored codes and scales
+    scale per group. 8-bit codes on the Q8 GEMV: the stored codes and scales
     themselves. Otherwise torch's int4 kernel: half a byte a code (two codes for 5-8
     bits), rows up to 16, bf16 scale + zero."""
     fmt = weight_format(fmt_name)
     kp = -(-cols // fmt.group) * fmt.group
     if fmt.bits == 4 and cpu_gemv.available():
-        return rows * kp // 2 + rows * (kp // 32) * 2 * (2 if fmt.mins else 1)
+        return rows * kp // 2 + rows * (kp // fmt.group) * 2 * (2 if fmt.mins else 1)
     if fmt.bits == 8 and cpu_gemv.available():
         return stored(fmt_name, rows, cols)
     k = kp * (2 if fmt.bits > 4 else 1)

@@ -287,7 +287,7 @@ class Q4GemvLinear(_CodesGemvLinear):
     1.15-1.25x torch's int4 kernel over SmolLM2's and Qwen3-0.6B's layers, out of cache.
 
     Held: the codes re-laid in ggml's block order (a block's 16 bytes hold its columns j
-    and j + 16), half a byte a weight, and the loaded fp16 scales (and mins), one per
+    and j + 16), half a byte a weight, and a copy of the fp16 scales (and mins), one per
     group: the operator spreads a group's scale over its blocks of 32 in registers, so a
     group of 64 costs 4.25 bits a weight, not the 4.5 of its scale repeated per block.
     """
@@ -306,8 +306,11 @@ class Q4GemvLinear(_CodesGemvLinear):
             self.codes[start : start + u.shape[0]] = (u[:, :, 0] | (u[:, :, 1] << 4)).view(
                 -1, self.padded_in // 2
             )
-        self.scales = w.scales.contiguous()
-        self.mins = None if w.mins is None else w.mins.contiguous()
+        # Copies, not views of the loaded tensors: a tied head's layer then holds what
+        # `nbytes_for` says beside the embedding table, which keeps its own (the planner
+        # counts both).
+        self.scales = w.scales.clone(memory_format=torch.contiguous_format)
+        self.mins = None if w.mins is None else w.mins.clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
