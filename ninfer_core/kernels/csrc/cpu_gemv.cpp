@@ -153,9 +153,10 @@ inline __m512 bf16_to_ps(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (exact)
 
 // x is carried as two int8 planes: q = round(x / dx), and r = round((x / dx - q) * kFine)
 // (at most 127: the rare 128 saturates), so x = dx * (q + r / kFine) to within dx / 512
-// (dx / 256 where r saturated): about as close as x's own bf16 rounding, where one int8 plane alone (llama.cpp's Q8
-// activations) is off by up to dx / 2 and doubled SmolLM2's decode logit error against
-// fp32 (0.020 -> 0.039; llama.cpp 0.029). kFine = 256 joins the planes' sums by a shift.
+// (dx / 256 where r saturated): about as close as x's own bf16 rounding, where one int8
+// plane alone (llama.cpp's Q8 activations) is off by up to dx / 2 and doubled SmolLM2's
+// decode logit error against fp32 (0.020 -> 0.039; llama.cpp 0.029). kFine = 256 joins
+// the planes' sums by a shift.
 constexpr float kFine = 256.f;
 constexpr int kFineShift = 8;
 // How far ahead of a row walk the codes are prefetched: the hardware prefetcher stops at
