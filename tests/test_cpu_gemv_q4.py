@@ -92,8 +92,8 @@ def test_the_planners_bytes_are_the_built_bytes(fmt, shape):
     qt = _weight(fmt, *shape)
     lin = Q4GemvLinear(qt)
     assert Q4GemvLinear.nbytes_for(qt.fmt, shape) == lin.nbytes
-    # half a byte a weight and an fp16 scale (and min) per group, as loaded (Q4G64: 4.25
-    # bits a weight)
+    # half a byte a weight and one fp16 scale (and min) per group (Q4G64: 4.25 bits a
+    # weight)
     kp, group = qt.padded_cols, qt.fmt.group
     assert lin.nbytes == shape[0] * kp // 2 + shape[0] * kp // group * 2 * (2 if qt.fmt.mins else 1)
 
