@@ -228,3 +228,23 @@ def test_gpu_check_interpreted_checks_every_triton_op_against_the_reference():
     assert len(errors[("triton", "linear", "fp16")]) == 8  # 3 formats + dense, T=1 and 20
     assert "backend cupy: refused: " in done.stdout
     assert "0 above tolerance" in done.stdout
+
+
+def test_q6_k_codes_are_dequantized_at_load_on_the_gpu_backends(with_triton, with_cupy):
+    """A Q4_K_M GGUF loads as Q4G32M and W8G16 (its Q6_K codes, a scale per 16 columns):
+    no GPU kernel reads W8G16, so both GPU backends take the workload and dequantize those
+    matrices once, at load, into the compute dtype, as the file loaded before its codes
+    were kept; the planner is told the dense size. (Triton's packing:
+    tests/test_triton_linear.py.)"""
+    from ninfer_core.quant.tensor import quantize
+    from ninfer_plugins.backend_cupy import linear as cupy_linear
+
+    workload = KernelWorkload(frozenset({"Q4G32M", "W8G16", "fp32"}), "fp16", torch.bfloat16)
+    choices = plan(simulated_device("rtx3090"), workload)
+    assert choices["linear"].backend == "triton"
+    choices = plan(simulated_device("rtx3090"), workload, kernel="linear=cupy")
+    assert choices["linear"].backend == "cupy"
+    w = quantize(torch.randn(48, 64), "W8G16")
+    packed = cupy_linear.pack_linear(w, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(packed, w.dequantize(torch.bfloat16))
+    assert cupy_linear.packed_nbytes("W8G16", (48, 64), torch.bfloat16) == 48 * 64 * 2

@@ -215,3 +215,13 @@ def test_kernels_compile_for_gpus(tmp_path):
     split-K reduction compile to cubins for SM90 (H100) and SM86, with no GPU here:
     ptxas ships with Triton."""
     assert "compiled" in run_compile_script(_COMPILE_SCRIPT, tmp_path)
+
+
+def test_w8g16_is_dequantized_once_at_load(lin):
+    # a GGUF's Q6_K codes (a scale per 16 columns): no kernel here reads them
+    w = quantize(torch.randn(OUT, 64, generator=torch.Generator().manual_seed(3)), "W8G16")
+    packed = lin.pack_linear(w, dtype=torch.float16)
+    assert torch.equal(packed, w.dequantize(torch.float16))
+    assert lin.packed_nbytes("W8G16", (OUT, 64), dtype=torch.float16) == OUT * 64 * 2
+    x = torch.randn(3, 64)
+    assert torch.allclose(lin.linear(x, w), _reference(x, w, None).float(), atol=1e-4)

@@ -151,17 +151,22 @@ def _register_fake() -> None:
         return q.new_empty(q.shape)  # in q's dtype
 
 
-def _group_supported(group: int) -> bool:
+def _group_supported(group: int, bits: int) -> bool:
     """Whether the operators take this group width: 1-16 whole blocks of 32 columns that
-    tile a step of 16 blocks (32, 64, 128, 256 or 512 columns); a group's one scale is
-    spread over its blocks in registers."""
+    tile a step of 16 blocks (32, 64, 128, 256 or 512 columns), a group's one scale
+    spread over its blocks in registers; and for 8-bit codes 16 columns (ggml's Q6_K
+    sub-blocks), two scales a block."""
+    if bits == 8 and group == 16:
+        return True
     return group % 32 == 0 and 16 % (group // 32) == 0
 
 
-def _per_block(values: torch.Tensor, padded_in: int) -> torch.Tensor:
-    """Held scales or mins of some rows as fp32 `[rows, blocks of 32, 1]`."""
+def _per_span(values: torch.Tensor, padded_in: int, span: int) -> torch.Tensor:
+    """Held scales or mins of some rows as fp32 `[rows, spans of `span` columns, 1]`:
+    each group's value repeated over the spans it covers (`span` divides the group, or
+    equals it)."""
     v = values.to(torch.float32)
-    return v.repeat_interleave(padded_in // 32 // v.shape[1], dim=1)[..., None]
+    return v.repeat_interleave(padded_in // span // v.shape[1], dim=1)[..., None]
 
 
 def codes_supported(
@@ -173,7 +178,7 @@ def codes_supported(
     return (
         fmt.quantized
         and fmt.bits in (4, 8)
-        and _group_supported(fmt.group)
+        and _group_supported(fmt.group, fmt.bits)
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and available()
@@ -244,10 +249,11 @@ class _CodesGemvLinear(PackedLinear):
 
     def __init__(self, w: QuantizedTensor) -> None:
         _require()
-        if w.fmt.bits != self.BITS or not _group_supported(w.fmt.group):
+        if w.fmt.bits != self.BITS or not _group_supported(w.fmt.group, self.BITS):
+            also = " (or 16)" if self.BITS == 8 else ""
             raise ValueError(
                 f"{type(self).__name__} takes {self.BITS}-bit codes in groups of 32, 64, "
-                f"128, 256 or 512 columns, not {w.fmt.name}"
+                f"128, 256 or 512 columns{also}, not {w.fmt.name}"
             )
         self.out_features, self.in_features = w.shape
         self.padded_in = w.padded_cols
@@ -332,8 +338,8 @@ class Q4GemvLinear(_CodesGemvLinear):
         c = self.codes[start : start + n].view(n, -1, 16)
         u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32)  # [n, blocks, 32]
         rows = slice(start, start + n)
-        d = _per_block(self.scales[rows], self.padded_in)
-        m = -8 * d if self.mins is None else _per_block(self.mins[rows], self.padded_in)
+        d = _per_span(self.scales[rows], self.padded_in, 32)
+        m = -8 * d if self.mins is None else _per_span(self.mins[rows], self.padded_in, 32)
         return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,11 +347,11 @@ class Q4GemvLinear(_CodesGemvLinear):
 
 
 class Q8GemvLinear(_CodesGemvLinear):
-    """An 8-bit `[out, in]` weight (W8G32, ggml's Q8_0) for `ninfer_cpu::gemv_q8`: 1.6x
-    torch's int4 kernel over the same codes as two 4-bit halves (SmolLM2's head, 49152 x
-    576: 1.0 against 1.6 ms). It holds the loaded codes (stored as `code + 128`, the
-    unsigned operand VNNI multiplies) and scales themselves: a tied head shares the
-    embedding's bytes."""
+    """An 8-bit `[out, in]` weight (W8G32, ggml's Q8_0; W8G16, its Q6_K codes) for
+    `ninfer_cpu::gemv_q8`: 1.6x torch's int4 kernel over the same codes as two 4-bit
+    halves (SmolLM2's head, 49152 x 576: 1.0 against 1.6 ms). It holds the loaded codes
+    (stored as `code + 128`, the unsigned operand VNNI multiplies) and scales themselves:
+    a tied head shares the embedding's bytes."""
 
     BITS = 8
 
@@ -353,14 +359,19 @@ class Q8GemvLinear(_CodesGemvLinear):
         super().__init__(w)
         self.codes = w.packed.contiguous()
         self.scales = w.scales.contiguous()
+        if self.padded_in % 32:  # W8G16 rows of an odd number of 16s: one zero sub-block more
+            self.codes = F.pad(self.codes, (0, 16), value=128)  # stored 128: code 0
+            self.scales = F.pad(self.scales, (0, 1))
+            self.padded_in += 16
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 2
 
     def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        u = self.codes[start : start + n].view(n, -1, 32).to(torch.float32).sub_(128)
-        d = _per_block(self.scales[start : start + n], self.padded_in)
+        span = min(32, self.padded_in // self.scales.shape[1])  # 16: Q6_K's sub-blocks
+        u = self.codes[start : start + n].view(n, -1, span).to(torch.float32).sub_(128)
+        d = _per_span(self.scales[start : start + n], self.padded_in, span)
         return u.mul_(d).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:

@@ -216,7 +216,10 @@ def _slot_params(
     # the artifact has nothing to say (every tensor dense, sizes from shapes).
     fmt_of = artifact.tensor_format if artifact is not None else None
     table = artifact.object_table if artifact is not None else None
-    sizes = {rec.name: rec.nbytes for rec in table()} if table else {}
+    # Stored sizes of tensors held as the file stores them (a `.ninfer`'s objects, a GGUF's
+    # Q4_0 blocks); a GGUF K-quant held in a format of ours (its Q4_K as Q4G32M) is sized
+    # by that format instead.
+    sizes = {rec.name: (rec.format, rec.nbytes) for rec in table()} if table else {}
     groups: dict[str, list] = {}
     for slot in slots:
         groups.setdefault(slot.param, []).append(slot)
@@ -228,11 +231,17 @@ def _slot_params(
         if not weight_format(fmt).quantized:  # cast on loading
             fmt, stored = _dense_param(group, shape, dtype)
         else:
-            stored = sum(
-                sizes.get(s.hf_name) or weight_format(fmt).stored_nbytes(s.shape) for s in group
-            )
+            stored = sum(_stored_nbytes(sizes.get(s.hf_name), fmt, s.shape) for s in group)
         out.append(_Param(name, shape, fmt, stored))
     return out
+
+
+def _stored_nbytes(record: tuple[str, int] | None, fmt: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one tensor held in `fmt`: the artifact's object size where it stores the
+    tensor in that format (`record`: format and size), else the format's size for `shape`."""
+    if record is not None and record[0] == fmt and record[1]:
+        return record[1]
+    return weight_format(fmt).stored_nbytes(shape)
 
 
 def _recipe_params(slots: Sequence[WeightSlot], dtype: torch.dtype, recipe: Recipe) -> list[_Param]:

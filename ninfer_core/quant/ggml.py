@@ -22,8 +22,27 @@ They map onto our formats (`formats.py`) value for value:
 - Q4_1 -> Q4G32M: stored value `nib`, scale `d`, min `m`.
 
 Only the nibble order changes (ours holds neighbours `2k, 2k + 1` in byte `k`); scales
-and mins are the blocks' fp16 bit patterns, moved, never rounded. Any other ggml type
-(F16, BF16, the K-quants, Q5_0, ...) gives None: the reader dequantizes those itself.
+and mins are the blocks' fp16 bit patterns, moved, never rounded.
+
+Two K-quant types, the bulk of llama.cpp's Q4_K_M, Q4_K_S and Q6_K files, keep their
+codes too. Each 256-weight super-block holds an fp16 `d` (and `dmin`) and small integer
+scales per sub-block:
+
+| ggml type | bytes | sub-blocks | weight of sub-block `j`          | code u | our format |
+|-----------|-------|------------|----------------------------------|--------|------------|
+| Q4_K      | 144   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..15  | Q4G32M     |
+| Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | W8G16      |
+
+(Q4_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8.)
+
+The codes are kept as they are (Q6_K's 6-bit codes widen to our 8-bit ones). The
+sub-block products `d * sc[j]` and `dmin * mn[j]` are exact in fp32; ours are fp16, so
+each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's own
+Q8_0 scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized
+to bf16. A product past fp16's range fails the load with the tensor named.
+
+Any other ggml type (F16, BF16, Q5_0, Q5_K, ...) gives None: the reader dequantizes those
+itself.
 
 A reader that reorders rows afterwards (llama.cpp's q/k row permutation) does it with
 `QuantizedTensor.index_rows`, which moves codes, scales and mins row by row.
@@ -45,8 +64,26 @@ GGML_FORMATS: dict[str, tuple[str, int, int]] = {
     "Q4_1": ("Q4G32M", 20, 2),
     "Q8_0": ("W8G32", 34, 1),
 }
-#: Weights per ggml block.
+#: ggml K-quant type name -> (our format, bytes per 256-weight super-block).
+K_FORMATS: dict[str, tuple[str, int]] = {
+    "Q4_K": ("Q4G32M", 144),
+    "Q6_K": ("W8G16", 210),
+}
+#: Weights per ggml block, and per K-quant super-block.
 BLOCK = 32
+SUPER_BLOCK = 256
+
+
+def kept_format(type_name: str) -> str | None:
+    """Our format for a matrix ggml stores as `type_name`, kept in its codes; None for a
+    type the reader dequantizes."""
+    if type_name in GGML_FORMATS:
+        return GGML_FORMATS[type_name][0]
+    if type_name in K_FORMATS:
+        return K_FORMATS[type_name][0]
+    return None
+
+
 #: Bytes of blocks converted at a time (each chunk is copied once, then rearranged).
 _CHUNK_BYTES = 1 << 22
 
@@ -55,16 +92,15 @@ def from_ggml_blocks(
     type_name: str, raw: bytes | bytearray | memoryview | torch.Tensor, shape: tuple[int, int]
 ) -> QuantizedTensor | None:
     """The `[rows, cols]` tensor whose ggml blocks (type `type_name`: "Q4_0", "Q4_1",
-    "Q8_0") are `raw` -- bytes, a buffer such as a numpy uint8 array (read-only ones
-    included; it is only read), or a uint8 tensor -- as a `QuantizedTensor` of the same
-    values; None for a ggml type we do not keep quantized.
+    "Q8_0", "Q4_K", "Q6_K") are `raw` -- bytes, a buffer such as a numpy uint8 array
+    (read-only ones included; it is only read), or a uint8 tensor -- as a
+    `QuantizedTensor` of the same codes; None for a ggml type we do not keep quantized.
 
-    `cols` must be a multiple of 32 (ggml's own rule) and `raw` exactly the blocks'
-    bytes, `rows * cols / 32 * block bytes`; otherwise `ArtifactError`."""
-    spec = GGML_FORMATS.get(type_name)
-    if spec is None:
+    `cols` must be a multiple of the type's block (32, or 256 for a K-quant: ggml's own
+    rule) and `raw` exactly the blocks' bytes; otherwise `ArtifactError`."""
+    fmt_name = kept_format(type_name)
+    if fmt_name is None:
         return None
-    fmt_name, block_bytes, n_fp16 = spec
     if len(shape) != 2:
         raise ValueError(
             f"ggml {type_name}: pass a 2-D [rows, cols] shape (stack leading dimensions "
@@ -73,12 +109,16 @@ def from_ggml_blocks(
     if sys.byteorder != "little":  # the fp16 fields are little-endian
         raise ArtifactError("ggml blocks are little-endian; this host is big-endian")
     rows, cols = int(shape[0]), int(shape[1])
-    if cols % BLOCK:
+    k_quant = type_name in K_FORMATS
+    block, block_bytes = (
+        (SUPER_BLOCK, K_FORMATS[type_name][1]) if k_quant else (BLOCK, GGML_FORMATS[type_name][1])
+    )
+    if cols % block:
         raise ArtifactError(
             f"ggml {type_name} tensor of shape {[rows, cols]}: a row of {cols} weights is "
-            f"not a whole number of {BLOCK}-weight blocks"
+            f"not a whole number of {block}-weight blocks"
         )
-    groups = cols // BLOCK
+    groups = cols // block
     row_bytes = groups * block_bytes
     data = _ByteSource(raw)
     if len(data) != rows * row_bytes:
@@ -88,19 +128,100 @@ def from_ggml_blocks(
         )
     fmt = weight_format(fmt_name)
     packed = torch.empty(rows, cols * fmt.bits // 8, dtype=torch.uint8)
-    fields = torch.empty(n_fp16, rows, groups, dtype=torch.float16)  # d (and m)
+    n_fields = 2 if fmt.mins else 1
+    fields = torch.empty(n_fields, rows, cols // fmt.group, dtype=torch.float16)  # d (and m)
+    convert = _K_CONVERTERS[type_name] if k_quant else _blocks_converter(type_name)
     step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
     for start in range(0, rows if row_bytes else 0, step):
         end = min(rows, start + step)
         # [r, groups, block_bytes]: a writable copy of this chunk's blocks
         blocks = data.chunk(start * row_bytes, end * row_bytes).view(-1, groups, block_bytes)
-        head = blocks[..., : 2 * n_fp16].contiguous().view(torch.float16)  # [r, g, n_fp16]
-        fields[:, start:end] = head.permute(2, 0, 1)
-        qs = blocks[..., 2 * n_fp16 :]
-        codes = _q8_codes(qs) if fmt.bits == 8 else _q4_codes(qs)  # [r, groups, 32 or 16]
+        codes, chunk_fields = convert(blocks)
         packed[start:end] = codes.reshape(end - start, -1)
+        for i, values in enumerate(chunk_fields):
+            fields[i, start:end] = _fp16_fields(values.reshape(end - start, -1), type_name)
     mins = fields[1] if fmt.mins else None
     return QuantizedTensor(fmt, (rows, cols), packed, fields[0], mins)
+
+
+_Converted = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+
+
+def _blocks_converter(type_name: str):
+    """Q4_0, Q4_1, Q8_0: [r, groups, block bytes] -> our packed codes per block, and the
+    fp16 d (and m) fields as stored."""
+    n_fp16 = GGML_FORMATS[type_name][2]
+    bits = weight_format(GGML_FORMATS[type_name][0]).bits
+
+    def convert(blocks: torch.Tensor) -> _Converted:
+        head = blocks[..., : 2 * n_fp16].contiguous().view(torch.float16)  # [r, g, n_fp16]
+        qs = blocks[..., 2 * n_fp16 :]
+        codes = _q8_codes(qs) if bits == 8 else _q4_codes(qs)  # [r, groups, 32 or 16]
+        return codes, tuple(head[..., i] for i in range(n_fp16))
+
+    return convert
+
+
+def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian fp16 at byte `at` of each super-block, as fp32 [r, g, 1]."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _q4_k(blocks: torch.Tensor) -> _Converted:
+    """Q4_K super-blocks [r, g, 144] (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
+    mins, 128 code bytes) -> Q4G32M codes, and per 32 weights the scale `d * sc` and the
+    min `-dmin * mn` in fp32 (exact).
+
+    The 12 bytes hold eight 6-bit (sc, mn) pairs: pairs 0..3 are the low six bits of
+    bytes 0..3 (sc) and 4..7 (mn); pairs 4..7 take their low four bits from the nibbles of
+    bytes 8..11 (sc low, mn high) and their top two from the top bits of bytes 0..7. Code
+    bytes come in four runs of 32: run `i`'s low nibbles are sub-block `2i`, its high
+    nibbles sub-block `2i + 1`."""
+    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
+    packed_scales = blocks[..., 4:16].to(torch.int32)
+    lo, mid, top = packed_scales[..., 0:4], packed_scales[..., 4:8], packed_scales[..., 8:12]
+    sc = torch.cat((lo & 63, (top & 15) | ((lo >> 2) & 48)), dim=-1)  # [r, g, 8]
+    mn = torch.cat((mid & 63, (top >> 4) | ((mid >> 2) & 48)), dim=-1)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    u = torch.cat((qs & 15, qs >> 4), dim=-2).reshape(*blocks.shape[:-1], 256)  # 0..15
+    codes = u[..., 0::2] | (u[..., 1::2] << 4)  # ours: neighbours 2k, 2k + 1 in byte k
+    return codes, (d * sc.to(torch.float32), -dmin * mn.to(torch.float32))
+
+
+def _q6_k(blocks: torch.Tensor) -> _Converted:
+    """Q6_K super-blocks [r, g, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16
+    int8 scales, fp16 d) -> W8G16 codes (`u - 32`, stored offset-binary), and per 16
+    weights the scale `d * sc` in fp32 (exact).
+
+    Weight `i` of a super-block (`i = 128 h + 64 s + j`, j < 64) takes its low four bits
+    from nibble `s` of low byte `64 h + j`; with `i = 128 h + 32 t + j` (j < 32), its top
+    two from bits `2t, 2t + 1` of high byte `32 h + j` (`gguf.quants.Q6_K`)."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64)
+    low = torch.cat((ql & 15, ql >> 4), dim=-2).reshape(*lead, 256)
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2).reshape(*lead, 256)
+    u = low | (high << 4)  # 0..63, code u - 32
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)  # [r, g, 16]
+    return u + 96, (_fp16(blocks, 208) * sc,)  # stored u - 32 + 128
+
+
+_K_CONVERTERS = {"Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def _fp16_fields(values: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Scales or mins -> fp16: ggml's fp16 fields as they are; a K-quant's fp32 products
+    rounded once (one correctly rounded cast), refused past fp16's range."""
+    if values.dtype == torch.float16:
+        return values
+    out = values.to(torch.float16)
+    if not torch.isfinite(out).all():
+        worst = float(values.abs().max())
+        raise ArtifactError(
+            f"ggml {type_name}: a sub-block scale of {worst:.6g} is beyond fp16's range "
+            "(65504), which our formats hold"
+        )
+    return out
 
 
 def _q8_codes(qs: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Reads architectures llama, mistral, qwen2 and qwen3 through gguf-py's `GGUFReader`
 (bounded for untrusted files, `file.py`): the metadata becomes a Hugging Face `config.json`
 (`config.py`), the tensors are served under Hugging Face names in torch's layout, Q4_0,
-Q4_1 and Q8_0 matrices kept in their blocks (`tensors.py`), and the `tokenizer.*` metadata
-becomes `tokenizer.json` and `tokenizer_config.json` (`tokenizer.py`), so loading, the text
-layer and `ninfer convert` see a GGUF like a model folder. See docs/gguf.md.
+Q4_1, Q8_0, Q4_K and Q6_K matrices kept in their codes (`tensors.py`), and the
+`tokenizer.*` metadata becomes `tokenizer.json` and `tokenizer_config.json`
+(`tokenizer.py`), so loading, the text layer and `ninfer convert` see a GGUF like a model
+folder. See docs/gguf.md.
 
 Importing this module is cheap: gguf-py (and numpy) load when a file is opened.
 """
@@ -26,8 +27,8 @@ GGUF_MAGIC = b"GGUF"
 class GGUFFileReader:
     name = "gguf"
     description = (
-        "GGUF file (llama.cpp): llama, mistral, qwen2, qwen3 (Q4_0/Q4_1/Q8_0 kept, the rest "
-        "dequantized)"
+        "GGUF file (llama.cpp): llama, mistral, qwen2, qwen3 (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K "
+        "kept, the rest dequantized)"
     )
 
     def supports(self, device: Any) -> Support:

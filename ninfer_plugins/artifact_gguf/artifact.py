@@ -46,9 +46,10 @@ _FUSED_PART = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.)(\w+)(\.weig
 
 
 def _kept_formats(named: dict[str, Any]) -> dict[str, str]:
-    """Hugging Face name -> our format for each tensor kept in its ggml blocks: every Q4_0,
-    Q4_1 and Q8_0 matrix, except the parts of a fused group whose parts differ in type (say
-    q and k in Q4_0, v in Q8_0), which all load dense (dequantized) rather than fail."""
+    """Hugging Face name -> our format for each tensor kept in its ggml codes: every Q4_0,
+    Q4_1, Q8_0, Q4_K and Q6_K matrix, except the parts of a fused group whose formats
+    differ (say q and k in Q4_K, v in Q6_K, as llama.cpp's Q4_K_M writes some layers),
+    which all load dense (dequantized) rather than fail."""
     kept = {}
     for name, tensor in named.items():
         fmt = tensors.kept_format(tensor)

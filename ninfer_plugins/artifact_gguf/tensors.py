@@ -5,7 +5,8 @@
 * Rows: llama.cpp's converter permutes the rows of Q and K of Llama-style models
   (`LlamaModel.permute`: each head's two rotary halves interleaved); `unpermute` undoes it.
 * Types: F32, F16 and BF16 load as they are stored. A 2-D Q4_0, Q4_1 or Q8_0 matrix can stay
-  in its blocks as a `QuantizedTensor` of ours (Q4G32, Q4G32M, W8G32: the same values,
+  in its blocks as a `QuantizedTensor` of ours (Q4G32, Q4G32M, W8G32: the same values), and
+  a Q4_K or Q6_K one in its codes (Q4G32M, W8G16: sub-block scales rounded once to fp16;
   `ninfer_core.quant.ggml`); every other quantized type, and any tensor the artifact asks
   for dense, is dequantized to float32 by `gguf.quants.dequantize`.
 """
@@ -95,15 +96,14 @@ def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 
 
 def kept_format(tensor: ReaderTensor) -> str | None:
-    """Our weight format for `tensor` kept in its ggml blocks (`Q4G32`, `Q4G32M`, `W8G32`),
-    or None where it loads dense: a type other than Q4_0, Q4_1, Q8_0, or not a matrix.
-    Headers only; nothing is read."""
-    from ninfer_core.quant.ggml import GGML_FORMATS
+    """Our weight format for `tensor` kept in its ggml codes (`Q4G32`, `Q4G32M`, `W8G32`,
+    `W8G16`), or None where it loads dense: a type other than Q4_0, Q4_1, Q8_0, Q4_K and
+    Q6_K, or not a matrix. Headers only; nothing is read."""
+    from ninfer_core.quant import ggml
 
-    spec = GGML_FORMATS.get(tensor.tensor_type.name)
-    if spec is None or len(tensor.shape) != 2:
+    if len(tensor.shape) != 2:
         return None
-    return spec[0]
+    return ggml.kept_format(tensor.tensor_type.name)
 
 
 def _keep_quantized(

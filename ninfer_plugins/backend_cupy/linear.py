@@ -62,9 +62,12 @@ def readable(q: QuantizedTensor) -> bool:
     return q.fmt.name in table.LINEAR_FORMATS
 
 
-def pack_linear(w: Any, device: torch.device) -> Any:
+def pack_linear(w: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     """A quantized weight of a format the kernels read becomes a `CupyWeight` on
-    `device`; anything else is kept as it is (`linear` then runs the reference)."""
+    `device`; one of `table.DEQUANTIZED_FORMATS` a dense matrix of `dtype`, once; anything
+    else is kept as it is (`linear` then runs the reference)."""
+    if isinstance(w, QuantizedTensor) and w.fmt.name in table.DEQUANTIZED_FORMATS:
+        return w.dequantize(dtype or torch.float32).to(device)
     if not isinstance(w, QuantizedTensor) or not readable(w):
         return w
     parts = [_placed(t, device) for t in (w.packed, w.scales, w.mins) if t is not None]
@@ -79,9 +82,14 @@ def _placed(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def packed_nbytes(fmt_name: str, shape: tuple[int, int]) -> int | None:
+def packed_nbytes(
+    fmt_name: str, shape: tuple[int, int], dtype: torch.dtype | None = None
+) -> int | None:
     """Bytes `pack_linear` holds: the stored bytes for a format the kernels read (the
-    codes are used as stored), else None (kept as loaded)."""
+    codes are used as stored), the dense size in `dtype` for one dequantized at load,
+    else None (kept as loaded)."""
+    if fmt_name in table.DEQUANTIZED_FORMATS:
+        return int(shape[0]) * int(shape[1]) * (dtype or torch.float32).itemsize
     fmt = weight_format(fmt_name)
     if not fmt.quantized or fmt.name not in table.LINEAR_FORMATS:
         return None

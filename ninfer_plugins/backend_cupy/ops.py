@@ -22,10 +22,10 @@ class CupyOps:
 
     def pack_linear(self, w: Any, *, dtype: torch.dtype | None = None) -> Any:
         # The codes are read as stored whatever the compute dtype; dense weights stay.
-        return cupy_linear.pack_linear(w, self.device)
+        return cupy_linear.pack_linear(w, self.device, dtype)
 
     def packed_nbytes(self, fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
-        return cupy_linear.packed_nbytes(fmt_name, shape)
+        return cupy_linear.packed_nbytes(fmt_name, shape, dtype)
 
     def __repr__(self) -> str:
         return f"CupyOps({self.device})"

@@ -35,6 +35,9 @@ LINEAR_FORMATS: dict[str, tuple[int, bool]] = {
     "Q4G32": (4, False),
     "Q4G32M": (4, True),
 }
+#: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
+#: (`linear.pack_linear`): W8G16, a GGUF's Q6_K codes (a scale per 16 columns).
+DEQUANTIZED_FORMATS = frozenset({"W8G16"})
 #: Dense weights `linear` multiplies as they are (torch.matmul).
 DENSE_FORMATS = frozenset({"fp16", "bf16", "fp32"})
 #: The only op this backend provides.
@@ -108,7 +111,8 @@ def op_support(device: DeviceInfo, workload: KernelWorkload | None) -> dict[str,
         return {"linear": Support.no(f"no CuPy kernels for {activations} activations")}
     formats = workload.weight_formats if workload is not None else None
     if formats:
-        missing = sorted(f for f in formats if f not in LINEAR_FORMATS.keys() | DENSE_FORMATS)
+        read = LINEAR_FORMATS.keys() | DENSE_FORMATS | DEQUANTIZED_FORMATS
+        missing = sorted(f for f in formats if f not in read)
         if missing:
             known = ", ".join(LINEAR_FORMATS)
             return {

@@ -42,7 +42,7 @@ from ninfer_plugins.backend_triton.linear_kernels import (
     gemv_kernel,
     splitk_reduce_kernel,
 )
-from ninfer_plugins.backend_triton.table import LINEAR_FORMATS
+from ninfer_plugins.backend_triton.table import DEQUANTIZED_FORMATS, LINEAR_FORMATS
 
 __all__ = [
     "DECODE_CONFIGS",
@@ -113,18 +113,24 @@ class TritonQuantWeight:
 def pack_linear(w, *, dtype: torch.dtype | None = None):
     """A `QuantizedTensor` becomes a `TritonQuantWeight` over the same tensors (no copy
     where they are contiguous: the kernels read the stored layout, whatever `dtype` the
-    activations have). A dense weight is kept as it is, for `F.linear`."""
+    activations have), or, in a format no kernel reads (`DEQUANTIZED_FORMATS`), a dense
+    matrix of `dtype`, once. A dense weight is kept as it is, for `F.linear`."""
     if isinstance(w, QuantizedTensor):
+        if w.fmt.name in DEQUANTIZED_FORMATS:
+            return w.dequantize(dtype or torch.float32)
         return TritonQuantWeight.from_quantized(w)
     return w
 
 
 def packed_nbytes(fmt_name: str, shape: tuple[int, int], *, dtype) -> int | None:
     """Bytes `pack_linear` holds for a `shape` weight stored as `fmt_name`: the stored
-    size for a quantized format, None for a dense one (kept as loaded)."""
+    size for a format the kernels read, the dense size in `dtype` for one dequantized at
+    load, None for a dense one (kept as loaded)."""
     fmt = weight_format(fmt_name)
     if not fmt.quantized:
         return None
+    if fmt_name in DEQUANTIZED_FORMATS:
+        return int(shape[0]) * int(shape[1]) * (dtype or torch.float32).itemsize
     return fmt.stored_nbytes(tuple(shape))
 
 
@@ -132,6 +138,8 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in] -> [..., out] in x.dtype, for a dense weight (cuBLAS, via `F.linear`)
     or a quantized one (the GEMV kernel up to `DECODE_MAX_ROWS` rows, else the GEMM)."""
     if isinstance(w, QuantizedTensor):
+        if w.fmt.name in DEQUANTIZED_FORMATS:
+            return w.linear(x, b)  # not packed: the reference path
         w = TritonQuantWeight.from_quantized(w)
     if not isinstance(w, TritonQuantWeight):
         return F.linear(x, w, b)

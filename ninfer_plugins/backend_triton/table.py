@@ -28,6 +28,10 @@ BF16_MIN_SM = 80
 #: Weight formats `linear.py`'s fused dequantize + GEMM kernels read as stored
 #: (`ninfer_core.quant.formats`: Q4_0 is Q4G32, Q4_1 Q4G32M, Q8_0 W8G32).
 LINEAR_FORMATS = frozenset({"Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M"})
+#: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
+#: (`linear.pack_linear`): W8G16, a GGUF's Q6_K codes, whose scale per 16 columns is
+#: narrower than the kernels' K blocks.
+DEQUANTIZED_FORMATS = frozenset({"W8G16"})
 #: Weight formats `int8_linear.py`'s W8A8 / W4A8 prefill GEMM reads
 #: (`--activation-dtype int8`): symmetric 8- and 4-bit codes.
 INT8_ACT_FORMATS = frozenset({"W8G32", "Q4G64", "Q4G32"})
@@ -97,7 +101,8 @@ def op_support(device: DeviceInfo, workload: KernelWorkload | None) -> dict[str,
     out = dict.fromkeys(OPS, base)
     formats = workload.weight_formats if workload is not None else None
     if formats:
-        missing = sorted(f for f in formats if f not in LINEAR_FORMATS | DENSE_FORMATS)
+        read = LINEAR_FORMATS | DENSE_FORMATS | DEQUANTIZED_FORMATS
+        missing = sorted(f for f in formats if f not in read)
         if missing:
             out["linear"] = Support.no(f"no Triton GEMM for {', '.join(missing)} weights")
     if workload is not None and workload.activation_dtype is not None and out["linear"].ok:

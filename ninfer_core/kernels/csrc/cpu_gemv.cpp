@@ -124,10 +124,11 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // m = -8 d).
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
 // Q4_0/Q4_1 do. `gemv_q8`: 8-bit codes stored u = code + 128, w = d * (u - 128) (ggml's
-// Q8_0). x is quantized per call, per block of 32, to two int8 planes (`quantize_x`),
-// and `vpdpbusd` multiplies codes and x as exact integers: 64 code bytes a step, each
-// block's sums landing in four (4-bit) or eight (8-bit) lanes. The two planes' sums are
-// joined as integers (256 q + r: a shift, where a second conversion and FMA stood), then
+// Q8_0), a scale per group of 1-16 blocks or per 16 columns (Q6_K's codes). x is
+// quantized per call, per block of 32, to two int8 planes (`quantize_x`), and `vpdpbusd`
+// multiplies codes and x as exact integers: 64 code bytes a step, each block's sums
+// landing in four (4-bit) or eight (8-bit) lanes. The two planes' sums are joined as
+// integers (256 q + r: a shift, where a second conversion and FMA stood), then
 // scaled by d * dx / 256 in fp32. The 4-bit offset (the min, or -8 d) multiplies the
 // quantized x's block sums in fp32, once per block; the 8-bit offset stays an integer.
 
@@ -315,6 +316,43 @@ inline float dot_q8(const uint8_t* codes, const uint16_t* d, int64_t nb, int gb,
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
+// One 8-bit weight row with a scale per 16 columns (ggml's Q6_K sub-blocks, whose codes
+// widen to 8 bits): 8 blocks of x (16 weight scales, four chunks of two blocks) a step.
+// A lane's four columns lie in one sub-block, so the sums are those of `dot_q8`; only the
+// scale each lane takes differs: sub-block 4c + l / 4 (`lanes`, as the 4-bit layout's),
+// times x's scale of its block of 32 (`pairs`: lane l takes block l / 2).
+inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, int64_t nb, const QuantX& q,
+                       int64_t m, const __m512i* lanes, __m512i pairs) {
+  const int8_t* xq = q.xq.data() + m * q.blocks * 32;
+  const int8_t* xq2 = q.xq2.data() + m * q.blocks * 32;
+  const float* dx = q.dx.data() + m * q.blocks;
+  const int32_t* sym = q.sym.data() + m * q.blocks * 8;
+  const __m512 unfine = _mm512_set1_ps(1.f / kFine);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 8) {
+    const int64_t left = std::min<int64_t>(8, nb - b);
+    const __mmask16 dmask = (__mmask16)((1u << (2 * left)) - 1);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(dmask, d + 2 * b));
+    // x rows are padded to 16 blocks and b is a multiple of 8: dx[b .. b + 7] exist.
+    const __m512 dxs = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + b)));
+    const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, dxs), unfine);
+    for (int c = 0; c < 4 && 2 * c < left; ++c) {
+      const __mmask64 cmask = left - 2 * c >= 2 ? ~0ull : (1ull << 32) - 1;
+      const int64_t at = (b + 2 * c) * 32;
+      _mm_prefetch((const char*)(codes + at) + kAhead, _MM_HINT_T0);
+      const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
+      __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + at));
+      isum = _mm512_add_epi32(_mm512_slli_epi32(isum, kFineShift),
+                              _mm512_loadu_si512(sym + (b + 2 * c) * 8));
+      isum = _mm512_dpbusd_epi32(isum, v, _mm512_loadu_si512(xq2 + at));
+      const __m512 s = _mm512_cvtepi32_ps(isum);
+      if (c & 1) acc1 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc1);
+      else acc0 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc0);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
 // The checks and the row loop both GEMVs over codes share.
 at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const std::optional<at::Tensor>& mins, int bits) {
@@ -323,10 +361,11 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
               ": x [M, K], codes [N, K * bits / 8], scales [N, K / group]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
   const int64_t groups = scales.size(1), gb = groups > 0 && nb % groups == 0 ? nb / groups : 0;
+  const bool per16 = bits == 8 && nb > 0 && groups == 2 * nb;  // a scale per 16 columns
   TORCH_CHECK(K % 32 == 0 && codes.size(1) * 8 == K * bits && scales.size(0) == N &&
-                  gb > 0 && 16 % gb == 0,
+                  ((gb > 0 && 16 % gb == 0) || per16),
               name, ": x [M, K] with K a multiple of 32, codes [N, K * bits / 8], scales [N, K / group] ",
-              "with a group of 32, 64, 128, 256 or 512 columns");
+              "with a group of 32, 64, 128, 256 or 512 columns (8-bit codes: 16 too)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && codes.scalar_type() == at::kByte &&
                   scales.scalar_type() == at::kHalf,
               name, ": bf16 x, uint8 codes, fp16 scales");
@@ -347,8 +386,12 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   __m512i lanes[8];
   for (int c = 0; c < per; ++c) lanes[c] = spread(per, c);
   alignas(64) int32_t idx[16];
-  for (int l = 0; l < 16; ++l) idx[l] = l / gb;
+  for (int l = 0; l < 16; ++l) idx[l] = per16 ? 0 : l / gb;  // per16 takes `quads`
   const __m512i expand = _mm512_load_si512(idx);
+  for (int l = 0; l < 16; ++l) idx[l] = l / 2;
+  const __m512i pairs = _mm512_load_si512(idx);
+  __m512i quads[4];  // a scale per 16 columns: four lanes a scale, as the 4-bit layout's
+  for (int c = 0; c < 4; ++c) quads[c] = spread(4, c);
   const int g = int(gb);
   const int64_t row_bytes = K * bits / 8;
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
@@ -356,7 +399,8 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
       for (int64_t m = 0; m < M; ++m) {
         const uint8_t* c = cp + n * row_bytes;
         const uint16_t* d = dp + n * groups;
-        const float s = bits == 8 ? dot_q8(c, d, nb, g, expand, qx, m, lanes)
+        const float s = per16       ? dot_q8_16(c, d, nb, qx, m, quads, pairs)
+                        : bits == 8 ? dot_q8(c, d, nb, g, expand, qx, m, lanes)
                         : mp ? dot_q4<true>(c, d, mp + n * groups, nb, g, expand, qx, m, lanes)
                              : dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, lanes);
         yp[m * N + n] = to_bf16(s);

@@ -1,0 +1,69 @@
+"""Encoders for ggml's Q4_K and Q6_K super-blocks, for writing test files.
+
+gguf-py dequantizes K-quants but cannot write them (`gguf.quants.quantize` raises
+NotImplementedError), so the tests encode their own: a plain absmax choice of scales, not
+llama.cpp's search, which is all a test file needs. The layouts follow
+`gguf.quants.Q4_K` and `gguf.quants.Q6_K`; `test_gguf_kquants.py` checks that gguf-py
+decodes what these write.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _safe(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, x, 1.0)
+
+
+def encode_q6_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 210]."""
+    rows = a.shape[0]
+    x = a.astype(np.float64).reshape(-1, 16, 16)  # super-blocks, sub-blocks, weights
+    sub = np.abs(x).max(-1) / 31
+    d = _f16(sub.max(-1) / 127)
+    df = d.astype(np.float64)
+    sc = np.clip(np.rint(sub / _safe(df)[:, None]), 0, 127).astype(np.int8)
+    eff = df[:, None] * sc
+    q = np.clip(np.rint(x / _safe(eff)[..., None]), -32, 31) * (eff[..., None] > 0)
+    u = (q + 32).astype(np.uint8).reshape(-1, 256)
+    four = u.reshape(-1, 2, 2, 64)  # weight 128 h + 64 s + j
+    ql = (four[:, :, 0] & 15) | ((four[:, :, 1] & 15) << 4)
+    pairs = (u >> 4).reshape(-1, 2, 4, 32)  # weight 128 h + 32 t + j
+    qh = pairs[:, :, 0] | (pairs[:, :, 1] << 2) | (pairs[:, :, 2] << 4) | (pairs[:, :, 3] << 6)
+    parts = (ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8))
+    blocks = np.concatenate([p.reshape(len(u), -1) for p in parts], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def encode_q4_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 144]."""
+    rows = a.shape[0]
+    x = a.astype(np.float64).reshape(-1, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)  # ggml's min is -dmin * m with m >= 0
+    scale = (x.max(-1) - low) / 15
+    d, dmin = _f16(scale.max(-1) / 63), _f16((-low).max(-1) / 63)
+    df, dmf = d.astype(np.float64), dmin.astype(np.float64)
+    sc = np.clip(np.rint(scale / _safe(df)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-low / _safe(dmf)[:, None]), 0, 63).astype(np.uint8)
+    eff, effm = df[:, None] * sc, dmf[:, None] * m
+    u = np.clip(np.rint((x + effm[..., None]) / _safe(eff)[..., None]), 0, 15)
+    u = (u * (eff[..., None] > 0)).astype(np.uint8)  # [n, 8, 32]
+    qs = (u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1, 128)  # run i: sub-blocks 2i, 2i + 1
+    packed = np.concatenate(
+        (
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            m[:, :4] | ((m[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+        ),
+        axis=1,
+    )
+    head = np.concatenate((d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)), 1)
+    return np.concatenate((head, packed, qs), axis=1).reshape(rows, -1)
+
+
+ENCODERS = {"Q4_K": encode_q4_k, "Q6_K": encode_q6_k}

@@ -1,0 +1,317 @@
+"""ggml's Q4_K and Q6_K kept in their codes: Q4G32M and W8G16.
+
+The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Our values equal it to
+within one fp16 rounding of each sub-block's scale and min, and bit for bit where those
+products are fp16 values already; the W8G16 GEMV is checked against float64 math; a tiny
+Llama written with K-quant matrices (mixed per layer as llama.cpp's Q4_K_M mixes them)
+loads with them kept and gives transformers' logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (a main dependency) is missing")
+from gguf import GGMLQuantizationType, quants  # noqa: E402
+from kquants import ENCODERS  # noqa: E402
+
+from ninfer_core.cli.main import main  # noqa: E402
+from ninfer_core.errors import ArtifactError  # noqa: E402
+from ninfer_core.kernels import cpu_gemv  # noqa: E402
+from ninfer_core.quant.formats import FORMATS  # noqa: E402
+from ninfer_core.quant.ggml import K_FORMATS, from_ggml_blocks, kept_format  # noqa: E402
+from ninfer_core.quant.tensor import QuantizedTensor, quantize  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+K_TYPES = ["Q4_K", "Q6_K"]
+SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
+#: One fp16 rounding of a normal value, relative (round to nearest: half an ulp).
+FP16_HALF_ULP = 2.0**-11
+needs_gemv = pytest.mark.skipif(
+    not cpu_gemv.available(), reason=f"no CPU GEMV here: {cpu_gemv.unavailable()}"
+)
+
+
+def random_super_blocks(type_name: str, rows: int, cols: int, seed: int, *, d=None) -> np.ndarray:
+    """Arbitrary super-block bytes (every code and sub-block scale byte), with fp16 `d` (and
+    `dmin`) of either sign and magnitude 1e-3 .. 1e-2 unless `d` is given."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = rng.integers(0, 256, (n, SUPER_BYTES[type_name]), dtype=np.uint8)
+
+    def halves() -> np.ndarray:
+        if d is not None:
+            v = np.full(n, d)
+        else:
+            v = rng.uniform(1e-3, 1e-2, n) * rng.choice([-1.0, 1.0], n)
+        return v.astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    if type_name == "Q4_K":
+        blocks[:, 0:2], blocks[:, 2:4] = halves(), halves()
+    else:
+        blocks[:, 208:210] = halves()
+    return blocks.reshape(rows, -1)
+
+
+def ggml_values(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    return quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
+
+
+def term_bound(type_name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
+    """Per weight, the largest |scale * code| + |min| its sub-block can give, from gguf-py's
+    own field decoding: what one fp16 rounding of the scale and min is relative to."""
+    flat = blocks.reshape(-1, SUPER_BYTES[type_name])
+    if type_name == "Q4_K":
+        d = flat[:, 0:2].copy().view(np.float16).astype(np.float64)
+        dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float64)
+        sc, mn = quants.Q4_K.get_scale_min(flat[:, 4:16].copy())
+        bound = 15 * np.abs(d * sc) + np.abs(dmin * mn)  # [n, 8 sub-blocks of 32]
+        per = 32
+    else:
+        d = flat[:, 208:210].copy().view(np.float16).astype(np.float64)
+        sc = flat[:, 192:208].copy().view(np.int8).astype(np.float64)
+        bound = 32 * np.abs(d * sc)  # [n, 16 sub-blocks of 16]
+        per = 16
+    return np.repeat(bound, per, axis=1).reshape(-1, cols)
+
+
+def test_which_types_are_kept():
+    assert kept_format("Q4_K") == "Q4G32M" and kept_format("Q6_K") == "W8G16"
+    assert kept_format("Q5_K") is None and kept_format("F16") is None
+    assert {fmt for fmt, _ in K_FORMATS.values()} <= set(FORMATS)
+    assert from_ggml_blocks("Q5_K", b"", (0, 256)) is None
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_the_test_encoders_write_what_gguf_py_reads(type_name):
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((4, 512)) * 0.05 + rng.standard_normal((4, 1)) * 0.02).astype(
+        np.float32
+    )
+    blocks = ENCODERS[type_name](w)
+    assert blocks.shape == (4, 2 * SUPER_BYTES[type_name])
+    back = ggml_values(type_name, blocks)
+    rel = np.linalg.norm(back - w) / np.linalg.norm(w)
+    assert rel < (0.12 if type_name == "Q4_K" else 0.03), rel
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_values_are_ggmls_to_one_fp16_rounding_of_the_scales(type_name):
+    rows, cols = 6, 768
+    blocks = random_super_blocks(type_name, rows, cols, seed=1)
+    qt = from_ggml_blocks(type_name, blocks, (rows, cols))
+    assert qt.fmt.name == K_FORMATS[type_name][0] and qt.shape == (rows, cols)
+    ours = qt.dequantize(torch.float32).numpy().astype(np.float64)
+    want = ggml_values(type_name, blocks).astype(np.float64)
+    bound = term_bound(type_name, blocks, cols)
+    err = np.abs(ours - want)
+    assert (err <= (FP16_HALF_ULP + 2.0**-22) * bound).all(), (err / bound).max()
+    # and the rounding is not nothing: these random products are rarely fp16 values
+    assert (err > 0).any()
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_bit_for_bit_where_the_products_are_fp16_values(type_name):
+    # d = 2^-10: d * sc (sc < 128) and dmin * m are exact in fp16, so nothing rounds
+    rows, cols = 3, 512
+    blocks = random_super_blocks(type_name, rows, cols, seed=2, d=2.0**-10)
+    qt = from_ggml_blocks(type_name, blocks, (rows, cols))
+    want = ggml_values(type_name, blocks)
+    got = qt.dequantize(torch.float32).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # rows and embedding lookups move whole rows of codes, scales and mins
+    ids = torch.tensor([2, 0])
+    assert torch.equal(qt.embedding(ids), torch.from_numpy(want)[ids])
+
+
+def test_a_scale_beyond_fp16_fails_with_the_reason():
+    blocks = random_super_blocks("Q6_K", 1, 256, seed=3, d=60000.0)
+    blocks[0, 192:208] = 100  # sc = 100: d * sc = 6e6
+    with pytest.raises(ArtifactError, match="beyond fp16's range"):
+        from_ggml_blocks("Q6_K", blocks, (1, 256))
+
+
+def test_rows_of_whole_super_blocks_only():
+    with pytest.raises(ArtifactError, match="256-weight blocks"):
+        from_ggml_blocks("Q4_K", bytes(144), (1, 288))
+    with pytest.raises(ArtifactError, match="takes 288 bytes"):
+        from_ggml_blocks("Q4_K", bytes(144), (1, 512))
+
+
+# --------------------------------------------------------------------------
+# The GEMVs over the kept codes
+# --------------------------------------------------------------------------
+
+
+def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@needs_gemv
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_gemv_over_kept_codes_against_float64(type_name):
+    rows, cols = 70, 1280  # 5 super-blocks a row: a step of 8 blocks of 32 and a part one
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    qt = from_ggml_blocks(type_name, ENCODERS[type_name](w), (rows, cols))
+    layer = cpu_gemv.codes_linear(qt)
+    want = cpu_gemv.Q8GemvLinear if type_name == "Q6_K" else cpu_gemv.Q4GemvLinear
+    assert isinstance(layer, want)
+    # the prefill path's rows are the codes' exact values
+    assert torch.equal(layer.weight_rows(0, rows, torch.float32), qt.dequantize(torch.float32))
+    w64 = qt.dequantize(torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    for t in (1, 3, layer.MAX_ROWS + 1):  # the GEMV, a speculative round, the dense path
+        x = torch.randn(t, cols, generator=gen).bfloat16()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (t, rows)
+        # bf16 output rounding alone is 2^-9 relative
+        assert rel_rms(got, x.double() @ w64.T) < 4e-3, t
+
+
+@needs_gemv
+@pytest.mark.parametrize("cols", [16, 48, 100, 160])
+def test_w8g16_of_any_width(cols):
+    # quantize() writes W8G16 of any width: an odd number of 16s pads one sub-block more
+    gen = torch.Generator().manual_seed(cols)
+    qt = quantize(torch.randn(9, cols, generator=gen), "W8G16")
+    layer = cpu_gemv.codes_linear(qt)
+    x = torch.randn(2, cols, generator=gen).bfloat16()
+    assert rel_rms(layer(x), x.double() @ qt.dequantize(torch.float64).T) < 4e-3
+
+
+@needs_gemv
+def test_the_operator_refuses_a_scale_per_16_for_4_bit_codes():
+    codes = torch.zeros(2, 32, dtype=torch.uint8)  # 64 columns of 4-bit codes
+    with pytest.raises(RuntimeError, match="group of 32"):
+        torch.ops.ninfer_cpu.gemv_q4(
+            torch.zeros(1, 64, dtype=torch.bfloat16), codes, torch.ones(2, 4).half(), None
+        )
+
+
+# --------------------------------------------------------------------------
+# A model written with K-quants, end to end
+# --------------------------------------------------------------------------
+
+#: Layer 0 uniform per fused group (kept); layer 1's q|k|v mixes Q4_K and Q6_K, as
+#: llama.cpp's Q4_K_M does in some layers (that group loads dense). Untied Q6_K head.
+TYPES = {
+    "token_embd.weight": "Q4_K",
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.0.attn_k.weight": "Q4_K",
+    "blk.0.attn_v.weight": "Q4_K",
+    "blk.0.attn_output.weight": "Q6_K",
+    "blk.0.ffn_gate.weight": "Q4_K",
+    "blk.0.ffn_up.weight": "Q4_K",
+    "blk.0.ffn_down.weight": "Q6_K",
+    "blk.1.attn_q.weight": "Q4_K",
+    "blk.1.attn_k.weight": "Q4_K",
+    "blk.1.attn_v.weight": "Q6_K",
+    "blk.1.attn_output.weight": "Q4_K",
+    "blk.1.ffn_gate.weight": "Q4_K",
+    "blk.1.ffn_up.weight": "Q4_K",
+    "blk.1.ffn_down.weight": "Q6_K",
+    "output.weight": "Q6_K",
+}
+L0, L1 = "model.layers.0.", "model.layers.1."
+DENSE_MATRICES = {L1 + f"self_attn.{p}_proj.weight" for p in "qkv"}
+IDS = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    pytest.importorskip("transformers", reason="transformers (the model writer) needs ninfer[dev]")
+    from checkpoints import tiny_llama_config
+    from test_gguf_reader import write_gguf
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(
+        rope_scaling=None, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        head_dim=64, initializer_range=0.05,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    original = quants.quantize
+
+    def quantize_k(a, kind):  # gguf-py cannot write K-quants: the tests' encoders do
+        name = GGMLQuantizationType(kind).name
+        return ENCODERS[name](a) if name in ENCODERS else original(a, kind)
+
+    types = {name: GGMLQuantizationType[t] for name, t in TYPES.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quants, "quantize", quantize_k)
+        return write_gguf(tmp_path_factory.mktemp("k") / "tiny-k.gguf", "llama", model,
+                          types=types)  # fmt: skip
+
+
+def _load(path, dtype: str, *, dense: bool = False):
+    from test_gguf_quantized import load
+
+    return load(path, dtype, dense=dense)
+
+
+def _logits(loaded):
+    from test_gguf_quantized import logits
+
+    return logits(*loaded, ids=IDS)
+
+
+def test_k_quant_matrices_load_kept(path):
+    from ninfer_core.loading import open_artifact
+    from ninfer_core.plugin_host import create_host
+
+    art = open_artifact(create_host(), path)
+    kept = 0
+    for name in art.tensor_names():
+        if len(art.tensor_shape(name)) != 2:
+            continue
+        weight = art.load_weight(name)
+        if name in DENSE_MATRICES:
+            assert art.tensor_format(name) == "fp32" and weight.dtype == torch.float32, name
+            continue
+        kept += 1
+        assert isinstance(weight, QuantizedTensor), name
+        assert weight.fmt.name == art.tensor_format(name) in ("Q4G32M", "W8G16"), name
+        dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
+        err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
+        assert err < 2 * FP16_HALF_ULP, (name, err)
+    assert kept == len(TYPES) - len(DENSE_MATRICES)
+
+
+def test_fp32_logits_are_transformers(path):
+    from test_gguf_reader import reference
+
+    got = _logits(_load(path, "fp32"))
+    dense = _logits(_load(path, "fp32", dense=True))
+    with torch.no_grad():
+        want = reference(path)(torch.tensor([IDS])).logits[0]
+    assert (dense - want).abs().max().item() <= 1e-4  # the dequantized path: exact values
+    # kept: the scales rounded once to fp16 move the logits by far less than bf16 would
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 2e-3, rel
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_bf16_runs_the_kept_codes(path):
+    loaded = _load(path, "bf16")
+    model = loaded[0].model
+    if cpu_gemv.available():
+        assert isinstance(model.layers[0].mlp.down_proj, cpu_gemv.Q8GemvLinear)
+        assert isinstance(model.layers[0].mlp.gate_up_proj, cpu_gemv.Q4GemvLinear)
+        assert isinstance(model.packed_head, cpu_gemv.Q8GemvLinear)
+    got, want = _logits(loaded), _logits(_load(path, "fp32", dense=True))
+    rel = ((got - want).norm() / want.norm()).item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert rel < 0.03 and top1 >= 0.9, (rel, top1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_plan_sizes_what_the_load_holds(path, dtype, capsys):
+    assert main(["plan", str(path), "--dtype", dtype, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["weights_bytes"]
+    assert planned == _load(path, dtype)[0].model.weight_bytes()
