@@ -1,10 +1,11 @@
-"""ggml's Q4_K and Q6_K kept in their codes: Q4G32M and W8G16.
+"""ggml types kept in codes of ours that are not their own layout: Q4_K as Q4G32M, Q6_K as
+W8G16, Q5_0 as W8G32 (the types of llama.cpp's Q4_K_M files).
 
-The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Our values equal it to
-within one fp16 rounding of each sub-block's scale and min, and bit for bit where those
-products are fp16 values already; the W8G16 GEMV is checked against float64 math; a tiny
-Llama written with K-quant matrices (mixed per layer as llama.cpp's Q4_K_M mixes them)
-loads with them kept and gives transformers' logits.
+The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Q5_0's values equal it
+bit for bit; the K-quants' to within one fp16 rounding of each sub-block's scale and min,
+and bit for bit where those products are fp16 values already. The W8G16 GEMV is checked
+against float64 math; a tiny Llama written with K-quant matrices (mixed per layer as
+llama.cpp's Q4_K_M mixes them) loads with them kept and gives transformers' logits.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def term_bound(type_name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
 
 def test_which_types_are_kept():
     assert kept_format("Q4_K") == "Q4G32M" and kept_format("Q6_K") == "W8G16"
-    assert kept_format("Q5_K") is None and kept_format("F16") is None
+    assert kept_format("Q5_0") == "W8G32"
+    assert kept_format("Q5_K") is None and kept_format("Q5_1") is None
+    assert kept_format("F16") is None
     assert {fmt for fmt, _ in K_FORMATS.values()} <= set(FORMATS)
     assert from_ggml_blocks("Q5_K", b"", (0, 256)) is None
 
@@ -127,6 +130,21 @@ def test_bit_for_bit_where_the_products_are_fp16_values(type_name):
     # rows and embedding lookups move whole rows of codes, scales and mins
     ids = torch.tensor([2, 0])
     assert torch.equal(qt.embedding(ids), torch.from_numpy(want)[ids])
+
+
+def test_q5_0_is_ggmls_bit_for_bit():
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((7, 96)) * 0.05).astype(np.float32)
+    arbitrary = rng.integers(0, 256, (7 * 3, 22), dtype=np.uint8)  # every qh bit and nibble
+    arbitrary[:, 0:2] = (rng.standard_normal((21, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    for blocks in (quants.quantize(w, GGMLQuantizationType.Q5_0), arbitrary.reshape(7, -1)):
+        qt = from_ggml_blocks("Q5_0", blocks, (7, 96))
+        assert qt.fmt.name == "W8G32" and int(qt.codes().min()) >= -16
+        want = ggml_values("Q5_0", blocks)
+        assert np.array_equal(qt.dequantize().numpy().view(np.uint32), want.view(np.uint32))
+        # the scales are the blocks' own fp16 bits
+        d = blocks.reshape(-1, 22)[:, 0:2].copy().view(np.uint16).reshape(7, 3)
+        assert np.array_equal(qt.scales.numpy().view(np.uint16), d)
 
 
 def test_a_scale_beyond_fp16_fails_with_the_reason():
@@ -199,7 +217,8 @@ def test_the_operator_refuses_a_scale_per_16_for_4_bit_codes():
 # --------------------------------------------------------------------------
 
 #: Layer 0 uniform per fused group (kept); layer 1's q|k|v mixes Q4_K and Q6_K, as
-#: llama.cpp's Q4_K_M does in some layers (that group loads dense). Untied Q6_K head.
+#: llama.cpp's Q4_K_M does in some layers (that group loads dense), and its o is Q5_0.
+#: Untied Q6_K head.
 TYPES = {
     "token_embd.weight": "Q4_K",
     "blk.0.attn_q.weight": "Q4_K",
@@ -212,7 +231,7 @@ TYPES = {
     "blk.1.attn_q.weight": "Q4_K",
     "blk.1.attn_k.weight": "Q4_K",
     "blk.1.attn_v.weight": "Q6_K",
-    "blk.1.attn_output.weight": "Q4_K",
+    "blk.1.attn_output.weight": "Q5_0",
     "blk.1.ffn_gate.weight": "Q4_K",
     "blk.1.ffn_up.weight": "Q4_K",
     "blk.1.ffn_down.weight": "Q6_K",
@@ -276,7 +295,7 @@ def test_k_quant_matrices_load_kept(path):
             continue
         kept += 1
         assert isinstance(weight, QuantizedTensor), name
-        assert weight.fmt.name == art.tensor_format(name) in ("Q4G32M", "W8G16"), name
+        assert weight.fmt.name == art.tensor_format(name) in ("Q4G32M", "W8G16", "W8G32"), name
         dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
         err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
         assert err < 2 * FP16_HALF_ULP, (name, err)

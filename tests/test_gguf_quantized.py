@@ -106,7 +106,7 @@ def test_formats_kept_and_dense_by_group(path):
             # the same values as the dequantized path, q/k rows un-permuted alike
             assert torch.equal(weight.dequantize(), art.load_tensor(name)), name
     # a mixed group: q, k in Q4_0 and v in Q8_0 all load dense, as does gate (Q4_1) beside a
-    # Q5_0 up; types we do not keep (Q5_0, Q5_1) are dequantized
+    # Q5_0 up (kept alone, as W8G32); a type we do not keep (Q5_1) is dequantized
     records = {r.name: r.format for r in art.object_table()}
     assert records[L1 + "self_attn.q_proj.weight"] == "Q4_0"
     assert records[L1 + "mlp.gate_proj.weight"] == "Q4_1"

@@ -42,7 +42,8 @@ ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen
 PRE_TOKENIZERS = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe"}
 #: `quantize` types -> llama.cpp's `llama_ftype` names.
 FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
-          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f16": "LLAMA_FTYPE_MOSTLY_F16"}  # fmt: skip
+          "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f16": "LLAMA_FTYPE_MOSTLY_F16",
+          "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}  # fmt: skip
 MOSTLY_F16 = 1  # `general.file_type` of an F16 file
 
 # --------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def quantize(
     threads: int = 0,
     pure: bool = False,
 ) -> Path:
-    """`src_f16` quantized to `type` (q4_0, q4_1, q8_0, f16) by llama.cpp's own quantizer
+    """`src_f16` quantized to `type` (`FTYPES`: q4_0, q4_k_m, ...) by llama.cpp's own quantizer
     through llama-cpp-python, with `llama-quantize`'s defaults: a tied head (the token
     embedding) or the output matrix goes to Q6_K, matrices whose rows do not fit the block
     fall back. `pure`: every matrix at `type`, those too."""

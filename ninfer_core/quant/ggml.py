@@ -1,17 +1,18 @@
-"""ggml's Q4_0, Q4_1 and Q8_0 blocks -> `QuantizedTensor`, exactly (no re-quantizing).
+"""ggml blocks -> `QuantizedTensor`: Q4_0, Q4_1, Q5_0, Q8_0 exactly; Q4_K, Q6_K codes too.
 
 A GGUF tensor of one of these types is a row-major run of 32-weight blocks along each
 row (ggml's `ne[0]`, torch's last dimension), each block little-endian:
 
-| ggml type | block bytes | layout                                   | weight `i` of the block    |
-|-----------|-------------|------------------------------------------|----------------------------|
-| Q8_0      | 34          | fp16 d, int8 q[32]                       | `q[i] * d`                 |
-| Q4_0      | 18          | fp16 d, u8 qs[16]                        | `(nib(i) - 8) * d`         |
-| Q4_1      | 20          | fp16 d, fp16 m, u8 qs[16]                | `nib(i) * d + m`           |
+| ggml type | block bytes | layout                     | weight `i` of the block        |
+|-----------|-------------|----------------------------|--------------------------------|
+| Q8_0      | 34          | fp16 d, int8 q[32]         | `q[i] * d`                     |
+| Q4_0      | 18          | fp16 d, u8 qs[16]          | `(nib(i) - 8) * d`             |
+| Q4_1      | 20          | fp16 d, fp16 m, u8 qs[16]  | `nib(i) * d + m`               |
+| Q5_0      | 22          | fp16 d, u32 qh, u8 qs[16]  | `(nib(i) + 16 hb(i) - 16) * d` |
 
 with `nib(i) = qs[i] & 15` for `i < 16` and `qs[i - 16] >> 4` for `i >= 16`: byte `j`
-holds weights `j` and `j + 16`, not two neighbours. (ggml's reference dequantizer is
-`gguf.quants` in the `gguf` package; the tests check against it.)
+holds weights `j` and `j + 16`, not two neighbours; `hb(i)` is bit `i` of `qh`. (ggml's
+reference dequantizer is `gguf.quants` in the `gguf` package; the tests check against it.)
 
 They map onto our formats (`formats.py`) value for value:
 
@@ -20,6 +21,9 @@ They map onto our formats (`formats.py`) value for value:
   kept as it is and dequantizes to `-128 * d`, as ggml's does.
 - Q4_0 -> Q4G32: code `nib - 8`, scale `d`; the stored nibble is `nib` itself.
 - Q4_1 -> Q4G32M: stored value `nib`, scale `d`, min `m`.
+- Q5_0 -> W8G32: code `nib + 16 hb - 16`, 5 bits widened to our 8, scale `d` (llama.cpp's
+  Q4_K_M writes Q5_0 where a row is not a whole number of 256-weight super-blocks, as
+  SmolLM2's 576 columns are not).
 
 Only the nibble order changes (ours holds neighbours `2k, 2k + 1` in byte `k`); scales
 and mins are the blocks' fp16 bit patterns, moved, never rounded.
@@ -41,7 +45,7 @@ each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's
 Q8_0 scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized
 to bf16. A product past fp16's range fails the load with the tensor named.
 
-Any other ggml type (F16, BF16, Q5_0, Q5_K, ...) gives None: the reader dequantizes those
+Any other ggml type (F16, BF16, Q5_1, Q5_K, ...) gives None: the reader dequantizes those
 itself.
 
 A reader that reorders rows afterwards (llama.cpp's q/k row permutation) does it with
@@ -63,6 +67,7 @@ GGML_FORMATS: dict[str, tuple[str, int, int]] = {
     "Q4_0": ("Q4G32", 18, 1),
     "Q4_1": ("Q4G32M", 20, 2),
     "Q8_0": ("W8G32", 34, 1),
+    "Q5_0": ("W8G32", 22, 1),
 }
 #: ggml K-quant type name -> (our format, bytes per 256-weight super-block).
 K_FORMATS: dict[str, tuple[str, int]] = {
@@ -151,12 +156,11 @@ def _blocks_converter(type_name: str):
     """Q4_0, Q4_1, Q8_0: [r, groups, block bytes] -> our packed codes per block, and the
     fp16 d (and m) fields as stored."""
     n_fp16 = GGML_FORMATS[type_name][2]
-    bits = weight_format(GGML_FORMATS[type_name][0]).bits
+    codes_of = _CODES[type_name]
 
     def convert(blocks: torch.Tensor) -> _Converted:
         head = blocks[..., : 2 * n_fp16].contiguous().view(torch.float16)  # [r, g, n_fp16]
-        qs = blocks[..., 2 * n_fp16 :]
-        codes = _q8_codes(qs) if bits == 8 else _q4_codes(qs)  # [r, groups, 32 or 16]
+        codes = codes_of(blocks[..., 2 * n_fp16 :])  # [r, groups, 32 or 16]
         return codes, tuple(head[..., i] for i in range(n_fp16))
 
     return convert
@@ -229,6 +233,18 @@ def _q8_codes(qs: torch.Tensor) -> torch.Tensor:
     return qs ^ 0x80
 
 
+def _q5_0_codes(rest: torch.Tensor) -> torch.Tensor:
+    """Q5_0's 4 bytes of high bits and 16 of nibbles -> W8G32 stored values, per block.
+
+    Weight `j`'s code is `q - 16` with `q = nib(j) | (bit j of the little-endian qh) << 4`
+    (`nib` as Q4_0's); stored offset-binary, `q - 16 + 128`."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    high = ((rest[..., 0:4, None] >> shifts) & 1).reshape(*rest.shape[:-1], 32)
+    qs = rest[..., 4:]
+    low = torch.cat((qs & 15, qs >> 4), dim=-1)
+    return (low | (high << 4)) + 112
+
+
 def _q4_codes(qs: torch.Tensor) -> torch.Tensor:
     """ggml's nibble order -> ours, per block of 16 bytes `b`.
 
@@ -269,3 +285,7 @@ class _ByteSource:
         if self._tensor is not None:
             return self._tensor[start:end].cpu()
         return torch.frombuffer(bytearray(self._view[start:end]), dtype=torch.uint8)
+
+
+#: Code converters of the 32-weight block types (`_blocks_converter`).
+_CODES = {"Q4_0": _q4_codes, "Q4_1": _q4_codes, "Q8_0": _q8_codes, "Q5_0": _q5_0_codes}
