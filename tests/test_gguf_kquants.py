@@ -334,3 +334,21 @@ def test_plan_sizes_what_the_load_holds(path, dtype, capsys):
     assert main(["plan", str(path), "--dtype", dtype, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["weights_bytes"]
     assert planned == _load(path, dtype)[0].model.weight_bytes()
+
+
+def test_convert_keeps_the_codes(path, tmp_path, capsys):
+    from ninfer_core.loading import open_artifact
+    from ninfer_core.plugin_host import create_host
+
+    out = tmp_path / "tiny-k.ninfer"
+    assert main(["convert", str(path), str(out), "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"Q4G32M", "W8G16", "W8G32"} <= set(summary["by_format"])
+    src, packed = open_artifact(create_host(), path), open_artifact(create_host(), out)
+    for name in src.tensor_names():
+        if src.tensor_format(name) in ("Q4G32M", "W8G16", "W8G32"):
+            assert packed.tensor_format(name) == src.tensor_format(name), name
+            assert torch.equal(packed.load_weight(name).to_stored(),
+                               src.load_weight(name).to_stored()), name  # fmt: skip
+    assert main(["inspect", str(out)]) == 0
+    assert "8-bit codes, fp16 scale per 16" in capsys.readouterr().out
