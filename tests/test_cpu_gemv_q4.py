@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     not cpu_gemv.available(), reason=f"CPU GEMV not built: {cpu_gemv.unavailable()}"
 )
 
-FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "W8G32"]
+FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "W8G32", "W8G16", "Q5G64", "Q6G64"]
 
 
 def _weight(fmt: str, out: int, inp: int, seed: int = 0):
@@ -38,7 +38,7 @@ def _emulated(x: torch.Tensor, qt) -> torch.Tensor:
     dx = max|x| / 127;
     then y = that x times the exact weights, in float64."""
     rows, cols = x.shape
-    kp = qt.padded_cols
+    kp = -(-qt.padded_cols // 32) * 32  # whole blocks of x (W8G16 may pad 16 more)
     xp = torch.nn.functional.pad(x.float(), (0, kp - cols)).view(rows, -1, 32)
     amax = xp.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1), 0)
@@ -142,10 +142,22 @@ def test_a_group_the_operators_cant_spread_is_refused():
         torch.ops.ninfer_cpu.gemv_q4(x, codes, torch.ones(4, 1, dtype=torch.half), None)
 
 
-def test_other_widths_are_not_taken():
-    for fmt in ("Q5G64", "Q6G64"):
-        assert not cpu_gemv.codes_supported(_weight(fmt, 8, 64).fmt, "cpu", torch.bfloat16)
+@pytest.mark.parametrize("fmt", ["Q5G64", "Q6G64"])
+def test_5_and_6_bit_codes_are_widened_once_to_the_8_bit_layer(fmt):
+    qt = _weight(fmt, 70, 160)  # 160 columns: a padded group
+    ops = TorchOps("cpu")
+    lin = ops.pack_linear(qt, dtype=torch.bfloat16)
+    assert isinstance(lin, Q8GemvLinear) and lin.codes.dtype == torch.uint8
+    # the codes themselves, offset by 128: nothing re-quantized
+    assert torch.equal(lin.codes.to(torch.int16) - 128, qt.codes().to(torch.int16))
+    assert lin.nbytes == 70 * 192 + 70 * 3 * 2  # a byte a weight and the fp16 scales
+    assert ops.packed_nbytes(fmt, (70, 160), dtype=torch.bfloat16) == lin.nbytes
+    assert cpu_gemv.codes_linear_nbytes(qt.fmt, (70, 160)) == lin.nbytes
+
+
+def test_other_dtypes_are_not_taken():
     assert not cpu_gemv.codes_supported(_weight("Q4G32", 8, 64).fmt, "cpu", torch.float32)
+    assert not cpu_gemv.codes_supported(_weight("Q6G64", 8, 64).fmt, "cpu", torch.float16)
 
 
 @pytest.mark.parametrize("fmt", ["Q4G32", "W8G32"])

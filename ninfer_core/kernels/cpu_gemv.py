@@ -154,9 +154,9 @@ def _register_fake() -> None:
 def _group_supported(group: int, bits: int) -> bool:
     """Whether the operators take this group width: 1-16 whole blocks of 32 columns that
     tile a step of 16 blocks (32, 64, 128, 256 or 512 columns), a group's one scale
-    spread over its blocks in registers; and for 8-bit codes 16 columns (ggml's Q6_K
-    sub-blocks), two scales a block."""
-    if bits == 8 and group == 16:
+    spread over its blocks in registers; and for codes on the 8-bit GEMV 16 columns
+    (ggml's Q6_K sub-blocks), two scales a block."""
+    if bits != 4 and group == 16:
         return True
     return group % 32 == 0 and 16 % (group // 32) == 0
 
@@ -173,11 +173,11 @@ def codes_supported(
     fmt: WeightFormat, device: torch.device | str, dtype: torch.dtype | None
 ) -> bool:
     """Whether `codes_linear` runs weights of `fmt` for `dtype` activations on `device`:
-    4- or 8-bit codes in groups the operators take (`_group_supported`), bf16 on the CPU,
-    the GEMVs built."""
+    4-, 5-, 6- or 8-bit codes in groups the operators take (`_group_supported`), bf16 on
+    the CPU, the GEMVs built."""
     return (
         fmt.quantized
-        and fmt.bits in (4, 8)
+        and fmt.bits in (4, 5, 6, 8)
         and _group_supported(fmt.group, fmt.bits)
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
@@ -192,8 +192,11 @@ def codes_linear(w: QuantizedTensor) -> Q4GemvLinear | Q8GemvLinear:
 
 def codes_linear_nbytes(fmt: WeightFormat, shape: tuple[int, int]) -> int | None:
     """Bytes `codes_linear` holds beyond the loaded weight, from the shape alone: a 4-bit
-    layer's re-laid copy; None for 8 bits, which holds the loaded codes and scales."""
-    return Q4GemvLinear.nbytes_for(fmt, shape) if fmt.bits == 4 else None
+    layer's re-laid copy, a 5- or 6-bit one's codes widened to 8 bits; None for 8 bits,
+    which holds the loaded codes and scales."""
+    if fmt.bits == 4:
+        return Q4GemvLinear.nbytes_for(fmt, shape)
+    return None if fmt.bits == 8 else Q8GemvLinear.nbytes_for(fmt, shape)
 
 
 class GemvLinear(PackedLinear):
@@ -242,17 +245,19 @@ class _CodesGemvLinear(PackedLinear):
     #: Weight elements dequantized at a time on the dense path (8 MiB of bf16).
     DENSE_CHUNK_ELEMS = 1 << 22
 
-    #: The code width this layer's operator takes.
+    #: The code width this layer's operator takes, and the widths it holds in it.
     BITS: int
+    TAKES: tuple[int, ...]
     scales: torch.Tensor
     mins: torch.Tensor | None = None
 
     def __init__(self, w: QuantizedTensor) -> None:
         _require()
-        if w.fmt.bits != self.BITS or not _group_supported(w.fmt.group, self.BITS):
+        if w.fmt.bits not in self.TAKES or not _group_supported(w.fmt.group, self.BITS):
             also = " (or 16)" if self.BITS == 8 else ""
+            widths = "-, ".join(str(b) for b in self.TAKES)
             raise ValueError(
-                f"{type(self).__name__} takes {self.BITS}-bit codes in groups of 32, 64, "
+                f"{type(self).__name__} takes {widths}-bit codes in groups of 32, 64, "
                 f"128, 256 or 512 columns{also}, not {w.fmt.name}"
             )
         self.out_features, self.in_features = w.shape
@@ -299,6 +304,7 @@ class Q4GemvLinear(_CodesGemvLinear):
     """
 
     BITS = 4
+    TAKES = (4,)
     #: Rows converted at a time at load (bounds the int8 codes in flight).
     CHUNK_ROWS = 4096
 
@@ -351,18 +357,44 @@ class Q8GemvLinear(_CodesGemvLinear):
     `ninfer_cpu::gemv_q8`: 1.6x torch's int4 kernel over the same codes as two 4-bit
     halves (SmolLM2's head, 49152 x 576: 1.0 against 1.6 ms). It holds the loaded codes
     (stored as `code + 128`, the unsigned operand VNNI multiplies) and scales themselves:
-    a tied head shares the embedding's bytes."""
+    a tied head shares the embedding's bytes.
+
+    5- and 6-bit codes (Q5G64, Q6G64: the `mixed` recipe's o, down and head) are widened
+    to 8 bits once, at load: the same values, 8.25 bits a weight held instead of the 16 of
+    the bf16 matrix they would otherwise become. Unpacking 5 or 6 bits on every step would
+    cost more instructions than the bytes it saves: these GEMVs are bound by instructions
+    before memory (docs/performance.md)."""
 
     BITS = 8
+    TAKES = (5, 6, 8)
+    #: Rows widened at a time at load (bounds the int8 codes in flight).
+    CHUNK_ROWS = 4096
 
     def __init__(self, w: QuantizedTensor) -> None:
         super().__init__(w)
-        self.codes = w.packed.contiguous()
-        self.scales = w.scales.contiguous()
+        if w.fmt.bits == 8:
+            self.codes = w.packed.contiguous()
+            self.scales = w.scales.contiguous()
+        else:
+            self.codes = torch.empty(self.out_features, self.padded_in, dtype=torch.uint8)
+            for start in range(0, self.out_features, self.CHUNK_ROWS):
+                part = w.narrow_rows(start, min(self.CHUNK_ROWS, self.out_features - start))
+                wide = part.codes().to(torch.int16).add_(128).to(torch.uint8)  # code + 128
+                self.codes[start : start + wide.shape[0]] = wide
+            self.scales = w.scales.clone(memory_format=torch.contiguous_format)
         if self.padded_in % 32:  # W8G16 rows of an odd number of 16s: one zero sub-block more
             self.codes = F.pad(self.codes, (0, 16), value=128)  # stored 128: code 0
             self.scales = F.pad(self.scales, (0, 1))
             self.padded_in += 16
+
+    @staticmethod
+    def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
+        """`nbytes` of the `Q8GemvLinear` of a `shape` matrix in `fmt`, from the shape."""
+        rows, padded = int(shape[0]), fmt.padded_cols(int(shape[1]))
+        groups = padded // fmt.group
+        if padded % 32:
+            padded, groups = padded + 16, groups + 1
+        return rows * padded + rows * groups * 2
 
     @property
     def nbytes(self) -> int:

@@ -108,7 +108,7 @@ class TorchOps(KernelOps):
         row-major weights here; the same results to bf16 rounding either way.
 
         A `QuantizedTensor` with `dtype` bf16 on the CPU becomes a `Q4GemvLinear` or
-        `Q8GemvLinear` (4- or 8-bit codes, where the GEMVs are built) or else an
+        `Q8GemvLinear` (4-, or 5- to 8-bit codes, where the GEMVs are built) or else an
         `Int4Linear`. In
         any other dtype on the CPU (fp32, fp16) it is dequantized once, here, into a
         dense matrix of `dtype` (the exact numbers of the reference path, which would
