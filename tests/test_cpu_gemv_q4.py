@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     not cpu_gemv.available(), reason=f"CPU GEMV not built: {cpu_gemv.unavailable()}"
 )
 
-FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "W8G32", "W8G16", "Q5G64", "Q6G64"]
+FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "W8G32", "W8G16", "Q5G64", "Q6G64", "W8G32M", "W8G16M"]
 
 
 def _weight(fmt: str, out: int, inp: int, seed: int = 0):
@@ -119,7 +119,8 @@ def test_load_in_row_chunks_matches_one_piece(monkeypatch):
 @pytest.mark.parametrize("blocks", [2, 4, 8, 16])
 def test_one_scale_per_group_is_the_scale_repeated_per_block(op, blocks):
     """A group of 64-512 columns keeps one scale (and min) per group; the operator
-    spreads it over the group's blocks of 32, exactly as the scales repeated per block."""
+    spreads it over the group's blocks of 32, exactly as the scales repeated per block
+    (4- and 8-bit codes, with and without mins)."""
     g = torch.Generator().manual_seed(3)
     rows, cols = 24, 1536
     nbytes = cols // 2 if op == "gemv_q4" else cols
@@ -129,11 +130,8 @@ def test_one_scale_per_group_is_the_scale_repeated_per_block(op, blocks):
     per_block = (scales.repeat_interleave(blocks, 1), mins.repeat_interleave(blocks, 1))
     x = _x(3, cols)
     run = getattr(torch.ops.ninfer_cpu, op)
-    if op == "gemv_q4":
-        for m, mb in ((None, None), (mins, per_block[1])):
-            assert torch.equal(run(x, codes, scales, m), run(x, codes, per_block[0], mb))
-    else:
-        assert torch.equal(run(x, codes, scales), run(x, codes, per_block[0]))
+    for m, mb in ((None, None), (mins, per_block[1])):
+        assert torch.equal(run(x, codes, scales, m), run(x, codes, per_block[0], mb))
 
 
 def test_a_group_the_operators_cant_spread_is_refused():

@@ -217,8 +217,8 @@ def test_the_operator_refuses_a_scale_per_16_for_4_bit_codes():
 # --------------------------------------------------------------------------
 
 #: Layer 0 uniform per fused group (kept); layer 1's q|k|v mixes Q4_K and Q6_K, as
-#: llama.cpp's Q4_K_M does in some layers (that group loads dense), and its o is Q5_0.
-#: Untied Q6_K head.
+#: llama.cpp's Q4_K_M does in some layers (that group is held as W8G16M, the same values),
+#: and its o is Q5_0. Untied Q6_K head.
 TYPES = {
     "token_embd.weight": "Q4_K",
     "blk.0.attn_q.weight": "Q4_K",
@@ -238,7 +238,7 @@ TYPES = {
     "output.weight": "Q6_K",
 }
 L0, L1 = "model.layers.0.", "model.layers.1."
-DENSE_MATRICES = {L1 + f"self_attn.{p}_proj.weight" for p in "qkv"}
+MIXED_GROUP = {L1 + f"self_attn.{p}_proj.weight" for p in "qkv"}
 IDS = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(6)).tolist()
 
 
@@ -290,16 +290,14 @@ def test_k_quant_matrices_load_kept(path):
         if len(art.tensor_shape(name)) != 2:
             continue
         weight = art.load_weight(name)
-        if name in DENSE_MATRICES:
-            assert art.tensor_format(name) == "fp32" and weight.dtype == torch.float32, name
-            continue
         kept += 1
         assert isinstance(weight, QuantizedTensor), name
-        assert weight.fmt.name == art.tensor_format(name) in ("Q4G32M", "W8G16", "W8G32"), name
+        held = "W8G16M" if name in MIXED_GROUP else ("Q4G32M", "W8G16", "W8G32")
+        assert weight.fmt.name == art.tensor_format(name) in held, name
         dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
         err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
         assert err < 2 * FP16_HALF_ULP, (name, err)
-    assert kept == len(TYPES) - len(DENSE_MATRICES)
+    assert kept == len(TYPES)
 
 
 def test_fp32_logits_are_transformers(path):

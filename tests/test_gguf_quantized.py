@@ -1,7 +1,8 @@
 """GGUF weights kept in their ggml blocks, on a tiny synthetic Llama written like llama.cpp's
 converter writes one (tests/test_gguf_reader.py's `write_gguf`): Q4_0, Q4_1 and Q8_0 matrices
 load as our Q4G32, Q4G32M and W8G32 (value for value, Q/K rows un-permuted), a fused group
-whose parts differ in type loads dense instead of failing, fp32 gives the dequantized path's
+whose parts differ in type is held in one format of the same values (or dense, where a part
+is a type we do not keep) instead of failing, fp32 gives the dequantized path's
 logits, bf16 runs the int4 kernel, `ninfer plan` sizes the weights the load holds, `ninfer
 convert` keeps the codes, and `ninfer bench gguf` runs (llama.cpp faked).
 """
@@ -35,8 +36,8 @@ from ninfer_core.quant.tensor import QuantizedTensor  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 Q = gguf.GGMLQuantizationType
 
-#: Layer 0: every fused group uniform (kept); layer 1: q|k|v and gate|up mixed (dense);
-#: layer 2: a K-quant-free Q5_1 down (dequantized). The untied head is Q8_0.
+#: Layer 0: every fused group uniform (kept); layer 1: q|k|v mixed (held as W8G32), gate|up
+#: beside a Q5_1 up (dense); layer 2: a Q5_1 down (dequantized). The untied head is Q8_0.
 TYPES = {
     "token_embd.weight": Q.Q8_0,
     "blk.0.attn_q.weight": Q.Q4_0,
@@ -50,7 +51,7 @@ TYPES = {
     "blk.1.attn_k.weight": Q.Q4_0,
     "blk.1.attn_v.weight": Q.Q8_0,
     "blk.1.ffn_gate.weight": Q.Q4_1,
-    "blk.1.ffn_up.weight": Q.Q5_0,
+    "blk.1.ffn_up.weight": Q.Q5_1,
     "blk.2.ffn_down.weight": Q.Q5_1,
     "output.weight": Q.Q8_0,
 }
@@ -65,6 +66,9 @@ KEPT = {
     L0 + "mlp.gate_proj.weight": "Q4G32M",
     L0 + "mlp.up_proj.weight": "Q4G32M",
     L0 + "mlp.down_proj.weight": "Q4G32M",
+    L1 + "self_attn.q_proj.weight": "W8G32",  # Q4_0, widened beside ...
+    L1 + "self_attn.k_proj.weight": "W8G32",
+    L1 + "self_attn.v_proj.weight": "W8G32",  # ... a Q8_0 v
 }
 IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -105,12 +109,12 @@ def test_formats_kept_and_dense_by_group(path):
             assert weight.fmt.name == fmt
             # the same values as the dequantized path, q/k rows un-permuted alike
             assert torch.equal(weight.dequantize(), art.load_tensor(name)), name
-    # a mixed group: q, k in Q4_0 and v in Q8_0 all load dense, as does gate (Q4_1) beside a
-    # Q5_0 up (kept alone, as W8G32); a type we do not keep (Q5_1) is dequantized
+    # a mixed group: q, k in Q4_0 beside a Q8_0 v are all held as W8G32 (the same values,
+    # checked above); gate (Q4_1) beside a Q5_1 up, a type we do not keep, loads dense
     records = {r.name: r.format for r in art.object_table()}
     assert records[L1 + "self_attn.q_proj.weight"] == "Q4_0"
     assert records[L1 + "mlp.gate_proj.weight"] == "Q4_1"
-    assert art.load_weight(L1 + "self_attn.q_proj.weight").dtype == torch.float32
+    assert art.load_weight(L1 + "mlp.gate_proj.weight").dtype == torch.float32
 
 
 def test_fp32_logits_equal_the_dequantized_path_and_transformers(path):

@@ -143,7 +143,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::gemv_q8")
-    def _(x, codes, scales):
+    def _(x, codes, scales, mins):
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::decode_attention")
@@ -375,6 +375,7 @@ class Q8GemvLinear(_CodesGemvLinear):
         if w.fmt.bits == 8:
             self.codes = w.packed.contiguous()
             self.scales = w.scales.contiguous()
+            self.mins = None if w.mins is None else w.mins.contiguous()
         else:
             self.codes = torch.empty(self.out_features, self.padded_in, dtype=torch.uint8)
             for start in range(0, self.out_features, self.CHUNK_ROWS):
@@ -383,8 +384,9 @@ class Q8GemvLinear(_CodesGemvLinear):
                 self.codes[start : start + wide.shape[0]] = wide
             self.scales = w.scales.clone(memory_format=torch.contiguous_format)
         if self.padded_in % 32:  # W8G16 rows of an odd number of 16s: one zero sub-block more
-            self.codes = F.pad(self.codes, (0, 16), value=128)  # stored 128: code 0
+            self.codes = F.pad(self.codes, (0, 16), value=128)  # x is 0 there: any code
             self.scales = F.pad(self.scales, (0, 1))
+            self.mins = None if self.mins is None else F.pad(self.mins, (0, 1))
             self.padded_in += 16
 
     @staticmethod
@@ -394,17 +396,23 @@ class Q8GemvLinear(_CodesGemvLinear):
         groups = padded // fmt.group
         if padded % 32:
             padded, groups = padded + 16, groups + 1
-        return rows * padded + rows * groups * 2
+        return rows * padded + rows * groups * 2 * (2 if fmt.mins else 1)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 2
+        mins = 0 if self.mins is None else self.mins.numel() * 2
+        return self.codes.numel() + self.scales.numel() * 2 + mins
 
     def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `(u - 128) * d`,
+        or `u * d + m` with mins, in fp32, as `QuantizedTensor.dequantize` computes them."""
         span = min(32, self.padded_in // self.scales.shape[1])  # 16: Q6_K's sub-blocks
-        u = self.codes[start : start + n].view(n, -1, span).to(torch.float32).sub_(128)
+        u = self.codes[start : start + n].view(n, -1, span).to(torch.float32)
         d = _per_span(self.scales[start : start + n], self.padded_in, span)
-        return u.mul_(d).view(n, self.padded_in).to(dtype)
+        if self.mins is None:
+            return u.sub_(128).mul_(d).view(n, self.padded_in).to(dtype)
+        m = _per_span(self.mins[start : start + n], self.padded_in, span)
+        return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ninfer_cpu.gemv_q8(x, self.codes, self.scales)
+        return torch.ops.ninfer_cpu.gemv_q8(x, self.codes, self.scales, self.mins)

@@ -388,13 +388,14 @@ def _decode_rows(
 def int4_format_supported(
     fmt: WeightFormat, device: torch.device, dtype: torch.dtype | None
 ) -> bool:
-    """Whether `Int4Linear` can run weights of `fmt` for `dtype` activations on `device`."""
+    """Whether `Int4Linear` can run weights of `fmt` for `dtype` activations on `device`:
+    codes of up to 8 bits, wider than 4 only without mins (its two halves carry no min)."""
     return (
         _INT4_CPU
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and fmt.group in _INT4_GROUPS
-        and fmt.bits <= 8
+        and (fmt.bits <= 4 or (fmt.bits <= 8 and not fmt.mins))
     )
 
 

@@ -11,7 +11,8 @@ minimum too:
 
 so `code + 2^(bits-1)`, the stored value, runs over 0 .. 2^bits - 1 in both. Q4G32 and
 W8G32 are ggml's Q4_0 and Q8_0; Q4G32M is ggml's Q4_1 (and holds its Q4_K); W8G16 holds
-ggml's Q6_K codes (see `ggml.py`).
+ggml's Q6_K codes; W8G32M and W8G16M hold a fused group whose parts differ in type (see
+`ggml.py`).
 
 The stored object is the code block, then the scale block, then (asymmetric formats
 only) the min block:
@@ -108,6 +109,8 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("Q6G64", 6, 64),
         WeightFormat("W8G32", 8, 32),
         WeightFormat("W8G16", 8, 16),
+        WeightFormat("W8G32M", 8, 32, mins=True),
+        WeightFormat("W8G16M", 8, 16, mins=True),
         WeightFormat("Q4G32", 4, 32),
         WeightFormat("Q4G32M", 4, 32, mins=True),
     )

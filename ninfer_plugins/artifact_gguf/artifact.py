@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import torch
 
 from ninfer_core.errors import ModelLoadError
+from ninfer_core.quant.formats import weight_format
+from ninfer_core.quant.widen import common_format
 from ninfer_plugins.artifact_gguf import tensors
 from ninfer_plugins.artifact_gguf.config import PERMUTED_QK, architecture, hf_config
 from ninfer_plugins.artifact_gguf.file import GGUFFormatError, read_gguf
@@ -47,9 +49,10 @@ _FUSED_PART = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.)(\w+)(\.weig
 
 def _kept_formats(named: dict[str, Any]) -> dict[str, str]:
     """Hugging Face name -> our format for each tensor kept in its ggml codes: every Q4_0,
-    Q4_1, Q8_0, Q4_K and Q6_K matrix, except the parts of a fused group whose formats
-    differ (say q and k in Q4_K, v in Q6_K, as llama.cpp's Q4_K_M writes some layers),
-    which all load dense (dequantized) rather than fail."""
+    Q4_1, Q5_0, Q8_0, Q4_K and Q6_K matrix. The parts of a fused group whose formats
+    differ (say q and k in Q4_K, v in Q6_K, as llama.cpp's Q4_K_M writes some layers)
+    are all held in one format that holds each of them exactly (`quant.widen`); a
+    group with a part that loads dense loads dense."""
     kept = {}
     for name, tensor in named.items():
         fmt = tensors.kept_format(tensor)
@@ -62,9 +65,15 @@ def _kept_formats(named: dict[str, Any]) -> dict[str, str]:
             continue
         parts = [f"{match[1]}{part}{match[3]}" for part in group]
         present = [p for p in parts if p in named]
-        if len({kept.get(p) for p in present}) > 1:  # a None among them: one loads dense
-            for p in present:
+        formats = {kept.get(p) for p in present}
+        if len(formats) == 1:
+            continue
+        common = None if None in formats else common_format(weight_format(f) for f in formats)
+        for p in present:
+            if common is None:
                 kept.pop(p, None)
+            else:
+                kept[p] = common.name
     return kept
 
 
@@ -137,8 +146,8 @@ class GGUFArtifact:
         return None
 
     def tensor_format(self, name: str) -> str:
-        """The format `load_weight` hands the tensor out in: `Q4G32`, `Q4G32M` or `W8G32`
-        for one kept in its ggml blocks, else the dense one (`fp32` for a dequantized type)."""
+        """The format `load_weight` hands the tensor out in: `Q4G32`, `Q4G32M`, `W8G32`, ...
+        for one kept in its ggml codes, else the dense one (`fp32` for a dequantized type)."""
         kept = self._kept.get(name)
         if kept is not None:
             return kept
@@ -147,14 +156,14 @@ class GGUFArtifact:
     def load_tensor(self, name: str) -> torch.Tensor:
         """Dense, on the CPU: F32/F16/BF16 as stored, a quantized tensor dequantized to float32."""
         tensor = self._tensor(name)
-        return self._checked(lambda: tensors.load(tensor, self._heads(name), allow_quantized=False))
+        return self._checked(lambda: tensors.load(tensor, self._heads(name), keep_as=None))
 
     def load_weight(self, name: str) -> Any:
         """The tensor as the model holds it: a `QuantizedTensor` where `tensor_format` names a
         quantized format (the ggml blocks as they are), else as `load_tensor`."""
         tensor = self._tensor(name)
-        keep = name in self._kept
-        return self._checked(lambda: tensors.load(tensor, self._heads(name), allow_quantized=keep))
+        keep = self._kept.get(name)
+        return self._checked(lambda: tensors.load(tensor, self._heads(name), keep_as=keep))
 
     def object_table(self) -> list[GGUFTensorRecord]:
         """Every tensor with its ggml type, torch shape and stored bytes (nothing is read)."""

@@ -107,37 +107,41 @@ def kept_format(tensor: ReaderTensor) -> str | None:
 
 
 def _keep_quantized(
-    tensor: ReaderTensor, shape: tuple[int, ...], heads: int | None
-) -> QuantizedTensor | None:
-    """The tensor kept in its ggml blocks as a `QuantizedTensor` (rows in Hugging Face order:
-    `heads` given means unpermute them); None to load it dense (`kept_format` says which).
+    tensor: ReaderTensor, shape: tuple[int, ...], heads: int | None, keep_as: str
+) -> QuantizedTensor:
+    """The tensor kept in its ggml codes as a `QuantizedTensor` of format `keep_as` (rows
+    in Hugging Face order: `heads` given means unpermute them).
 
     The blocks become codes, scales and mins as they are (`from_ggml_blocks`, nothing
-    re-quantized); a block holds part of one row, so the Q/K un-permutation moves whole
-    rows (`QuantizedTensor.index_rows`).
+    re-quantized), widened into `keep_as` where that is not the type's own format (a fused
+    group of mixed types, `ninfer_core.quant.widen`); a block holds part of one row, so
+    the Q/K un-permutation moves whole rows (`QuantizedTensor.index_rows`).
     """
-    if kept_format(tensor) is None:
-        return None
     from ninfer_core.errors import ArtifactError
+    from ninfer_core.quant.formats import weight_format
     from ninfer_core.quant.ggml import from_ggml_blocks
+    from ninfer_core.quant.widen import widen
 
     try:
         kept = from_ggml_blocks(tensor.tensor_type.name, tensor.data, (shape[0], shape[1]))
-    except ArtifactError as exc:
+        if kept is None:
+            raise ArtifactError(f"ggml type {tensor.tensor_type.name} is not kept in its codes")
+        kept = widen(kept, weight_format(keep_as))
+    except (ArtifactError, ValueError) as exc:
         raise GGUFFormatError(f"tensor {tensor.name!r}: {exc}") from None
-    if kept is None or heads is None:
+    if heads is None:
         return kept
     order = unpermute(torch.arange(shape[0]), heads, tensor.name)  # new row i = old order[i]
     return kept.index_rows(order)
 
 
-def load(tensor: ReaderTensor, heads: int | None, *, allow_quantized: bool) -> Any:
-    """The tensor as the model holds it: a `QuantizedTensor` when `allow_quantized` and
-    `_keep_quantized` keeps it, else dense (`dense`). `heads`: undo llama.cpp's Q/K row
-    permutation for that many heads."""
+def load(tensor: ReaderTensor, heads: int | None, *, keep_as: str | None) -> Any:
+    """The tensor as the model holds it: a `QuantizedTensor` of format `keep_as` when that
+    is given (`kept_format`, or the common format of a mixed fused group), else dense
+    (`dense`). `heads`: undo llama.cpp's Q/K row permutation for that many heads."""
     shape = torch_shape(tensor)
-    if allow_quantized and (kept := _keep_quantized(tensor, shape, heads)) is not None:
-        return kept
+    if keep_as is not None:
+        return _keep_quantized(tensor, shape, heads, keep_as)
     weight = dense(tensor)
     return weight if heads is None else unpermute(weight, heads, tensor.name)
 

@@ -124,18 +124,21 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // m = -8 d).
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
 // Q4_0/Q4_1 do. `gemv_q8`: 8-bit codes stored u = code + 128, w = d * (u - 128) (ggml's
-// Q8_0), a scale per group of 1-16 blocks or per 16 columns (Q6_K's codes). x is
+// Q8_0), or w = d * u + m with mins, a scale (and min) per group of 1-16 blocks or per 16
+// columns (Q6_K's codes). x is
 // quantized per call, per block of 32, to two int8 planes (`quantize_x`), and `vpdpbusd`
 // multiplies codes and x as exact integers: 64 code bytes a step, each block's sums
 // landing in four (4-bit) or eight (8-bit) lanes. The two planes' sums are joined as
 // integers (256 q + r: a shift, where a second conversion and FMA stood), then
-// scaled by d * dx / 256 in fp32. The 4-bit offset (the min, or -8 d) multiplies the
-// quantized x's block sums in fp32, once per block; the 8-bit offset stays an integer.
+// scaled by d * dx / 256 in fp32. A min (and the 4-bit symmetric offset, -8 d)
+// multiplies the quantized x's sums per block (or per 16 columns) in fp32; the 8-bit
+// symmetric offset stays an integer.
 
 // x quantized per block of 32 columns and laid out to match the codes, per row. 4-bit
 // layout: per chunk of four blocks, 64 bytes of the blocks' columns 0..15 (`lo`) and 64
 // of columns 16..31 (`hi`). 8-bit layout: `xq`, the columns in order. Per block the
-// scale `dx` and `sx`, the quantized values' sum times dx (the 4-bit offset term).
+// scale `dx` and `sx`, the quantized values' sum times dx (the offset term of a min),
+// and for the 8-bit layout `sx16`, the same per 16 columns.
 // `sym` (8-bit), per 32-bit lane of a chunk, -128 times the joined sum of the x that
 // lane multiplies (256 q + r): added to the joined sums, so a code's offset never needs
 // subtracting. Rows are padded with zeros to whole groups of 16 blocks.
@@ -144,6 +147,7 @@ struct QuantX {
   std::vector<int8_t> lo, hi, xq;      // x / dx rounded
   std::vector<int8_t> lo2, hi2, xq2;   // what that rounding left, times kFine, rounded
   std::vector<float> dx, sx;
+  std::vector<float> sx16;  // 8-bit layout: sx per 16 columns (a min per 16 multiplies it)
   std::vector<int32_t> sym;
 };
 
@@ -180,6 +184,7 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
   for (auto* v : {&q.xq, &q.xq2}) v->assign(bits == 8 ? M * blocks * 32 : 0, 0);
   q.dx.assign(M * blocks, 0.f);
   q.sx.assign(M * blocks, 0.f);
+  q.sx16.assign(bits == 8 ? M * blocks * 2 : 0, 0.f);
   q.sym.assign(bits == 8 ? M * blocks * 8 : 0, 0);
   const __m512 fine = _mm512_set1_ps(kFine);
   for (int64_t m = 0; m < M; ++m) {
@@ -220,6 +225,10 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
         _mm_storeu_si128((__m128i*)xq2, _mm512_cvtsepi32_epi8(r0));
         _mm_storeu_si128((__m128i*)(xq2 + 16), _mm512_cvtsepi32_epi8(r1));
         lane_sums(xq, xq2, q.sym.data() + row * 8);
+        q.sx16[2 * row] = dx * (float(_mm512_reduce_add_epi32(q0)) +
+                                float(_mm512_reduce_add_epi32(r0)) / kFine);
+        q.sx16[2 * row + 1] = dx * (float(_mm512_reduce_add_epi32(q1)) +
+                                    float(_mm512_reduce_add_epi32(r1)) / kFine);
       }
     }
   }
@@ -285,54 +294,65 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
 }
 
-// One 8-bit weight row (stored codes u = code + 128, 0..255, w = d * (u - 128)): 16
+// One 8-bit weight row (stored codes u = code + 128, 0..255, w = d * (u - 128); with
+// mins, w = d * u + m, the min multiplying x's block sums in fp32 as in `dot_q4`): 16
 // blocks (eight chunks of two) a step.
-inline float dot_q8(const uint8_t* codes, const uint16_t* d, int64_t nb, int gb, __m512i expand,
-                    const QuantX& q, int64_t m, const __m512i* lanes) {
+template <bool kMins>
+inline float dot_q8(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
+                    int gb, __m512i expand, const QuantX& q, int64_t m, const __m512i* lanes) {
   const int8_t* xq = q.xq.data() + m * q.blocks * 32;
   const int8_t* xq2 = q.xq2.data() + m * q.blocks * 32;
   const float* dx = q.dx.data() + m * q.blocks;
+  const float* sx = q.sx.data() + m * q.blocks;
   const int32_t* sym = q.sym.data() + m * q.blocks * 8;
   const __m512 unfine = _mm512_set1_ps(1.f / kFine);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
     const __m512 dw = block_values(d, b, left, gb, expand);
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
+    if (kMins)
+      macc = _mm512_fmadd_ps(block_values(mn, b, left, gb, expand), _mm512_loadu_ps(sx + b), macc);
     for (int c = 0; c < 8 && 2 * c < left; ++c) {
       const __mmask64 cmask = left - 2 * c >= 2 ? ~0ull : (1ull << 32) - 1;
       const int64_t at = (b + 2 * c) * 32;
       _mm_prefetch((const char*)(codes + at) + kAhead, _MM_HINT_T0);
       const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
       __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + at));
-      isum = _mm512_add_epi32(_mm512_slli_epi32(isum, kFineShift),
-                              _mm512_loadu_si512(sym + (b + 2 * c) * 8));
+      isum = _mm512_slli_epi32(isum, kFineShift);
+      if (!kMins) isum = _mm512_add_epi32(isum, _mm512_loadu_si512(sym + (b + 2 * c) * 8));
       isum = _mm512_dpbusd_epi32(isum, v, _mm512_loadu_si512(xq2 + at));
       const __m512 s = _mm512_cvtepi32_ps(isum);
       if (c & 1) acc1 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc1);
       else acc0 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc0);
     }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
 }
 
 // One 8-bit weight row with a scale per 16 columns (ggml's Q6_K sub-blocks, whose codes
 // widen to 8 bits): 8 blocks of x (16 weight scales, four chunks of two blocks) a step.
 // A lane's four columns lie in one sub-block, so the sums are those of `dot_q8`; only the
 // scale each lane takes differs: sub-block 4c + l / 4 (`lanes`, as the 4-bit layout's),
-// times x's scale of its block of 32 (`pairs`: lane l takes block l / 2).
-inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, int64_t nb, const QuantX& q,
-                       int64_t m, const __m512i* lanes, __m512i pairs) {
+// times x's scale of its block of 32 (`pairs`: lane l takes block l / 2). A min per 16
+// multiplies x's sums per 16 columns.
+template <bool kMins>
+inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
+                       const QuantX& q, int64_t m, const __m512i* lanes, __m512i pairs) {
   const int8_t* xq = q.xq.data() + m * q.blocks * 32;
   const int8_t* xq2 = q.xq2.data() + m * q.blocks * 32;
   const float* dx = q.dx.data() + m * q.blocks;
+  const float* sx16 = q.sx16.data() + m * q.blocks * 2;
   const int32_t* sym = q.sym.data() + m * q.blocks * 8;
   const __m512 unfine = _mm512_set1_ps(1.f / kFine);
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 8) {
     const int64_t left = std::min<int64_t>(8, nb - b);
     const __mmask16 dmask = (__mmask16)((1u << (2 * left)) - 1);
     const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(dmask, d + 2 * b));
+    if (kMins)  // x rows are padded to 16 blocks: sx16[2b .. 2b + 15] exist
+      macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(dmask, mn + 2 * b)),
+                             _mm512_loadu_ps(sx16 + 2 * b), macc);
     // x rows are padded to 16 blocks and b is a multiple of 8: dx[b .. b + 7] exist.
     const __m512 dxs = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + b)));
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, dxs), unfine);
@@ -342,15 +362,15 @@ inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, int64_t nb, cons
       _mm_prefetch((const char*)(codes + at) + kAhead, _MM_HINT_T0);
       const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
       __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + at));
-      isum = _mm512_add_epi32(_mm512_slli_epi32(isum, kFineShift),
-                              _mm512_loadu_si512(sym + (b + 2 * c) * 8));
+      isum = _mm512_slli_epi32(isum, kFineShift);
+      if (!kMins) isum = _mm512_add_epi32(isum, _mm512_loadu_si512(sym + (b + 2 * c) * 8));
       isum = _mm512_dpbusd_epi32(isum, v, _mm512_loadu_si512(xq2 + at));
       const __m512 s = _mm512_cvtepi32_ps(isum);
       if (c & 1) acc1 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc1);
       else acc0 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc0);
     }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
 }
 
 // The checks and the row loop both GEMVs over codes share.
@@ -399,8 +419,12 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
       for (int64_t m = 0; m < M; ++m) {
         const uint8_t* c = cp + n * row_bytes;
         const uint16_t* d = dp + n * groups;
-        const float s = per16       ? dot_q8_16(c, d, nb, qx, m, quads, pairs)
-                        : bits == 8 ? dot_q8(c, d, nb, g, expand, qx, m, lanes)
+        const uint16_t* mins_n = mp ? mp + n * groups : nullptr;
+        const float s = per16 ? (mp ? dot_q8_16<true>(c, d, mins_n, nb, qx, m, quads, pairs)
+                                    : dot_q8_16<false>(c, d, nullptr, nb, qx, m, quads, pairs))
+                        : bits == 8
+                            ? (mp ? dot_q8<true>(c, d, mins_n, nb, g, expand, qx, m, lanes)
+                                  : dot_q8<false>(c, d, nullptr, nb, g, expand, qx, m, lanes))
                         : mp ? dot_q4<true>(c, d, mp + n * groups, nb, g, expand, qx, m, lanes)
                              : dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, lanes);
         yp[m * N + n] = to_bf16(s);
@@ -414,8 +438,9 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return gemv_codes(x, codes, scales, mins, 4);
 }
 
-at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  return gemv_codes(x, codes, scales, std::nullopt, 8);
+at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& mins) {
+  return gemv_codes(x, codes, scales, mins, 8);
 }
 
 }  // namespace
@@ -424,7 +449,7 @@ TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_q4(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
-  m.def("gemv_q8(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ninfer_cpu, CPU, m) {
