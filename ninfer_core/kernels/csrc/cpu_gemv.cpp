@@ -294,6 +294,23 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
 }
 
+// One chunk of 8-bit codes, blocks `blk` and `blk + 1` of a row (only the first where
+// `left` is 1), against x's planes: per 32-bit lane, the joined sums 256 q + r as fp32,
+// with the symmetric offset added (`sym`) unless the format has mins.
+template <bool kMins>
+inline __m512 chunk_q8(const uint8_t* codes, int64_t blk, int64_t left, const int8_t* xq,
+                       const int8_t* xq2, const int32_t* sym) {
+  const __mmask64 cmask = left >= 2 ? ~0ull : (1ull << 32) - 1;
+  const int64_t at = blk * 32;
+  _mm_prefetch((const char*)(codes + at) + kAhead, _MM_HINT_T0);
+  const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
+  __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + at));
+  isum = _mm512_slli_epi32(isum, kFineShift);
+  if (!kMins) isum = _mm512_add_epi32(isum, _mm512_loadu_si512(sym + blk * 8));
+  isum = _mm512_dpbusd_epi32(isum, v, _mm512_loadu_si512(xq2 + at));
+  return _mm512_cvtepi32_ps(isum);
+}
+
 // One 8-bit weight row (stored codes u = code + 128, 0..255, w = d * (u - 128); with
 // mins, w = d * u + m, the min multiplying x's block sums in fp32 as in `dot_q4`): 16
 // blocks (eight chunks of two) a step.
@@ -314,15 +331,7 @@ inline float dot_q8(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
     if (kMins)
       macc = _mm512_fmadd_ps(block_values(mn, b, left, gb, expand), _mm512_loadu_ps(sx + b), macc);
     for (int c = 0; c < 8 && 2 * c < left; ++c) {
-      const __mmask64 cmask = left - 2 * c >= 2 ? ~0ull : (1ull << 32) - 1;
-      const int64_t at = (b + 2 * c) * 32;
-      _mm_prefetch((const char*)(codes + at) + kAhead, _MM_HINT_T0);
-      const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
-      __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + at));
-      isum = _mm512_slli_epi32(isum, kFineShift);
-      if (!kMins) isum = _mm512_add_epi32(isum, _mm512_loadu_si512(sym + (b + 2 * c) * 8));
-      isum = _mm512_dpbusd_epi32(isum, v, _mm512_loadu_si512(xq2 + at));
-      const __m512 s = _mm512_cvtepi32_ps(isum);
+      const __m512 s = chunk_q8<kMins>(codes, b + 2 * c, left - 2 * c, xq, xq2, sym);
       if (c & 1) acc1 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc1);
       else acc0 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc0);
     }
@@ -357,15 +366,7 @@ inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, const uint16_t* 
     const __m512 dxs = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + b)));
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, dxs), unfine);
     for (int c = 0; c < 4 && 2 * c < left; ++c) {
-      const __mmask64 cmask = left - 2 * c >= 2 ? ~0ull : (1ull << 32) - 1;
-      const int64_t at = (b + 2 * c) * 32;
-      _mm_prefetch((const char*)(codes + at) + kAhead, _MM_HINT_T0);
-      const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
-      __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + at));
-      isum = _mm512_slli_epi32(isum, kFineShift);
-      if (!kMins) isum = _mm512_add_epi32(isum, _mm512_loadu_si512(sym + (b + 2 * c) * 8));
-      isum = _mm512_dpbusd_epi32(isum, v, _mm512_loadu_si512(xq2 + at));
-      const __m512 s = _mm512_cvtepi32_ps(isum);
+      const __m512 s = chunk_q8<kMins>(codes, b + 2 * c, left - 2 * c, xq, xq2, sym);
       if (c & 1) acc1 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc1);
       else acc0 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc0);
     }
