@@ -29,8 +29,8 @@ from ninfer_core.quant.tensor import QuantizedTensor, quantize  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-K_TYPES = ["Q4_K", "Q6_K"]
-SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 #: One fp16 rounding of a normal value, relative (round to nearest: half an ulp).
 FP16_HALF_ULP = 2.0**-11
 needs_gemv = pytest.mark.skipif(
@@ -52,7 +52,7 @@ def random_super_blocks(type_name: str, rows: int, cols: int, seed: int, *, d=No
             v = rng.uniform(1e-3, 1e-2, n) * rng.choice([-1.0, 1.0], n)
         return v.astype(np.float16).view(np.uint8).reshape(n, 2)
 
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         blocks[:, 0:2], blocks[:, 2:4] = halves(), halves()
     else:
         blocks[:, 208:210] = halves()
@@ -67,11 +67,12 @@ def term_bound(type_name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
     """Per weight, the largest |scale * code| + |min| its sub-block can give, from gguf-py's
     own field decoding: what one fp16 rounding of the scale and min is relative to."""
     flat = blocks.reshape(-1, SUPER_BYTES[type_name])
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         d = flat[:, 0:2].copy().view(np.float16).astype(np.float64)
         dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float64)
         sc, mn = quants.Q4_K.get_scale_min(flat[:, 4:16].copy())
-        bound = 15 * np.abs(d * sc) + np.abs(dmin * mn)  # [n, 8 sub-blocks of 32]
+        top = 15 if type_name == "Q4_K" else 31
+        bound = top * np.abs(d * sc) + np.abs(dmin * mn)  # [n, 8 sub-blocks of 32]
         per = 32
     else:
         d = flat[:, 208:210].copy().view(np.float16).astype(np.float64)
@@ -83,14 +84,14 @@ def term_bound(type_name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
 
 def test_which_types_are_kept():
     assert kept_format("Q4_K") == "Q4G32M" and kept_format("Q6_K") == "W8G16"
+    assert kept_format("Q5_K") == "W8G32M" and kept_format("Q5_1") == "W8G32M"
     assert kept_format("Q5_0") == "W8G32"
-    assert kept_format("Q5_K") is None and kept_format("Q5_1") is None
-    assert kept_format("F16") is None
+    assert kept_format("Q3_K") is None and kept_format("F16") is None
     assert {fmt for fmt, _ in K_FORMATS.values()} <= set(FORMATS)
-    assert from_ggml_blocks("Q5_K", b"", (0, 256)) is None
+    assert from_ggml_blocks("Q3_K", b"", (0, 256)) is None
 
 
-@pytest.mark.parametrize("type_name", K_TYPES)
+@pytest.mark.parametrize("type_name", sorted(ENCODERS))  # the types the tests write
 def test_the_test_encoders_write_what_gguf_py_reads(type_name):
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((4, 512)) * 0.05 + rng.standard_normal((4, 1)) * 0.02).astype(
@@ -132,19 +133,24 @@ def test_bit_for_bit_where_the_products_are_fp16_values(type_name):
     assert torch.equal(qt.embedding(ids), torch.from_numpy(want)[ids])
 
 
-def test_q5_0_is_ggmls_bit_for_bit():
+@pytest.mark.parametrize(("type_name", "nbytes"), [("Q5_0", 22), ("Q5_1", 24)])
+def test_q5_blocks_are_ggmls_bit_for_bit(type_name, nbytes):
     rng = np.random.default_rng(5)
-    w = (rng.standard_normal((7, 96)) * 0.05).astype(np.float32)
-    arbitrary = rng.integers(0, 256, (7 * 3, 22), dtype=np.uint8)  # every qh bit and nibble
-    arbitrary[:, 0:2] = (rng.standard_normal((21, 1)) * 0.01).astype(np.float16).view(np.uint8)
-    for blocks in (quants.quantize(w, GGMLQuantizationType.Q5_0), arbitrary.reshape(7, -1)):
-        qt = from_ggml_blocks("Q5_0", blocks, (7, 96))
-        assert qt.fmt.name == "W8G32" and int(qt.codes().min()) >= -16
-        want = ggml_values("Q5_0", blocks)
+    w = (rng.standard_normal((7, 96)) * 0.05 + 0.02).astype(np.float32)
+    arbitrary = rng.integers(0, 256, (7 * 3, nbytes), dtype=np.uint8)  # every qh bit, nibble
+    fields = 2 if type_name == "Q5_1" else 1
+    halves = (rng.standard_normal((21, fields)) * 0.01).astype(np.float16)
+    arbitrary[:, : 2 * fields] = halves.view(np.uint8)
+    for blocks in (quants.quantize(w, GGMLQuantizationType[type_name]), arbitrary.reshape(7, -1)):
+        qt = from_ggml_blocks(type_name, blocks, (7, 96))
+        assert qt.fmt.name == kept_format(type_name)
+        want = ggml_values(type_name, blocks)
         assert np.array_equal(qt.dequantize().numpy().view(np.uint32), want.view(np.uint32))
-        # the scales are the blocks' own fp16 bits
-        d = blocks.reshape(-1, 22)[:, 0:2].copy().view(np.uint16).reshape(7, 3)
-        assert np.array_equal(qt.scales.numpy().view(np.uint16), d)
+        # the scales (and mins) are the blocks' own fp16 bits
+        head = blocks.reshape(-1, nbytes)[:, : 2 * fields].copy().view(np.uint16)
+        assert np.array_equal(qt.scales.numpy().view(np.uint16), head[:, 0].reshape(7, 3))
+        if fields == 2:
+            assert np.array_equal(qt.mins.numpy().view(np.uint16), head[:, 1].reshape(7, 3))
 
 
 def test_a_scale_beyond_fp16_fails_with_the_reason():
@@ -171,7 +177,7 @@ def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @needs_gemv
-@pytest.mark.parametrize("type_name", K_TYPES)
+@pytest.mark.parametrize("type_name", sorted(ENCODERS))  # the types the tests write
 def test_gemv_over_kept_codes_against_float64(type_name):
     rows, cols = 70, 1280  # 5 super-blocks a row: a step of 8 blocks of 32 and a part one
     rng = np.random.default_rng(4)

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 Q = gguf.GGMLQuantizationType
 
 #: Layer 0: every fused group uniform (kept); layer 1: q|k|v mixed (held as W8G32), gate|up
-#: beside a Q5_1 up (dense); layer 2: a Q5_1 down (dequantized). The untied head is Q8_0.
+#: beside an F16 up (dense), a Q5_1 down (W8G32M); layer 2: an MXFP4 down (dequantized).
+#: The untied head is Q8_0.
 TYPES = {
     "token_embd.weight": Q.Q8_0,
     "blk.0.attn_q.weight": Q.Q4_0,
@@ -51,8 +52,9 @@ TYPES = {
     "blk.1.attn_k.weight": Q.Q4_0,
     "blk.1.attn_v.weight": Q.Q8_0,
     "blk.1.ffn_gate.weight": Q.Q4_1,
-    "blk.1.ffn_up.weight": Q.Q5_1,
-    "blk.2.ffn_down.weight": Q.Q5_1,
+    "blk.1.ffn_up.weight": Q.F16,
+    "blk.1.ffn_down.weight": Q.Q5_1,
+    "blk.2.ffn_down.weight": Q.MXFP4,
     "output.weight": Q.Q8_0,
 }
 L0, L1 = "model.layers.0.", "model.layers.1."
@@ -69,6 +71,7 @@ KEPT = {
     L1 + "self_attn.q_proj.weight": "W8G32",  # Q4_0, widened beside ...
     L1 + "self_attn.k_proj.weight": "W8G32",
     L1 + "self_attn.v_proj.weight": "W8G32",  # ... a Q8_0 v
+    L1 + "mlp.down_proj.weight": "W8G32M",  # Q5_1
 }
 IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -102,7 +105,8 @@ def test_formats_kept_and_dense_by_group(path):
     art = open_artifact(create_host(), path)
     for name in art.tensor_names():
         fmt = art.tensor_format(name)
-        assert fmt == KEPT.get(name, "fp32"), name
+        dense = "fp16" if name == L1 + "mlp.up_proj.weight" else "fp32"  # F16 as stored
+        assert fmt == KEPT.get(name, dense), name
         weight = art.load_weight(name)
         assert isinstance(weight, QuantizedTensor) == (name in KEPT), name
         if name in KEPT:
@@ -110,7 +114,7 @@ def test_formats_kept_and_dense_by_group(path):
             # the same values as the dequantized path, q/k rows un-permuted alike
             assert torch.equal(weight.dequantize(), art.load_tensor(name)), name
     # a mixed group: q, k in Q4_0 beside a Q8_0 v are all held as W8G32 (the same values,
-    # checked above); gate (Q4_1) beside a Q5_1 up, a type we do not keep, loads dense
+    # checked above); gate (Q4_1) beside an F16 up, a dense type, loads dense
     records = {r.name: r.format for r in art.object_table()}
     assert records[L1 + "self_attn.q_proj.weight"] == "Q4_0"
     assert records[L1 + "mlp.gate_proj.weight"] == "Q4_1"

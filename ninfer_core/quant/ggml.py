@@ -1,4 +1,4 @@
-"""ggml blocks -> `QuantizedTensor`: Q4_0, Q4_1, Q5_0, Q8_0 exactly; Q4_K, Q6_K codes too.
+"""ggml blocks -> `QuantizedTensor`: Q4_0..Q8_0 exactly; Q4_K, Q5_K, Q6_K codes too.
 
 A GGUF tensor of one of these types is a row-major run of 32-weight blocks along each
 row (ggml's `ne[0]`, torch's last dimension), each block little-endian:
@@ -9,6 +9,7 @@ row (ggml's `ne[0]`, torch's last dimension), each block little-endian:
 | Q4_0      | 18          | fp16 d, u8 qs[16]          | `(nib(i) - 8) * d`             |
 | Q4_1      | 20          | fp16 d, fp16 m, u8 qs[16]  | `nib(i) * d + m`               |
 | Q5_0      | 22          | fp16 d, u32 qh, u8 qs[16]  | `(nib(i) + 16 hb(i) - 16) * d` |
+| Q5_1      | 24          | fp16 d, fp16 m, u32 qh, u8 qs[16] | `(nib(i) + 16 hb(i)) * d + m` |
 
 with `nib(i) = qs[i] & 15` for `i < 16` and `qs[i - 16] >> 4` for `i >= 16`: byte `j`
 holds weights `j` and `j + 16`, not two neighbours; `hb(i)` is bit `i` of `qh`. (ggml's
@@ -24,29 +25,31 @@ They map onto our formats (`formats.py`) value for value:
 - Q5_0 -> W8G32: code `nib + 16 hb - 16`, 5 bits widened to our 8, scale `d` (llama.cpp's
   Q4_K_M writes Q5_0 where a row is not a whole number of 256-weight super-blocks, as
   SmolLM2's 576 columns are not).
+- Q5_1 -> W8G32M: stored value `nib + 16 hb`, scale `d`, min `m`.
 
 Only the nibble order changes (ours holds neighbours `2k, 2k + 1` in byte `k`); scales
 and mins are the blocks' fp16 bit patterns, moved, never rounded.
 
-Two K-quant types, the bulk of llama.cpp's Q4_K_M, Q4_K_S and Q6_K files, keep their
-codes too. Each 256-weight super-block holds an fp16 `d` (and `dmin`) and small integer
-scales per sub-block:
+Three K-quant types, the bulk of llama.cpp's Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S and Q6_K
+files, keep their codes too. Each 256-weight super-block holds an fp16 `d` (and `dmin`)
+and small integer scales per sub-block:
 
 | ggml type | bytes | sub-blocks | weight of sub-block `j`          | code u | our format |
 |-----------|-------|------------|----------------------------------|--------|------------|
 | Q4_K      | 144   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..15  | Q4G32M     |
+| Q5_K      | 176   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..31  | W8G32M     |
 | Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | W8G16      |
 
-(Q4_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8.)
+(Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8.)
 
-The codes are kept as they are (Q6_K's 6-bit codes widen to our 8-bit ones). The
+The codes are kept as they are (Q5_K's and Q6_K's widen to our 8-bit ones). The
 sub-block products `d * sc[j]` and `dmin * mn[j]` are exact in fp32; ours are fp16, so
 each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's own
 Q8_0 scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized
 to bf16. A product past fp16's range fails the load with the tensor named.
 
-Any other ggml type (F16, BF16, Q5_1, Q5_K, ...) gives None: the reader dequantizes those
-itself.
+Any other ggml type (F16, BF16, Q2_K, Q3_K, the IQ types, ...) gives None: the reader
+dequantizes those itself.
 
 A reader that reorders rows afterwards (llama.cpp's q/k row permutation) does it with
 `QuantizedTensor.index_rows`, which moves codes, scales and mins row by row.
@@ -68,11 +71,13 @@ GGML_FORMATS: dict[str, tuple[str, int, int]] = {
     "Q4_1": ("Q4G32M", 20, 2),
     "Q8_0": ("W8G32", 34, 1),
     "Q5_0": ("W8G32", 22, 1),
+    "Q5_1": ("W8G32M", 24, 2),
 }
 #: ggml K-quant type name -> (our format, bytes per 256-weight super-block).
 K_FORMATS: dict[str, tuple[str, int]] = {
     "Q4_K": ("Q4G32M", 144),
     "Q6_K": ("W8G16", 210),
+    "Q5_K": ("W8G32M", 176),
 }
 #: Weights per ggml block, and per K-quant super-block.
 BLOCK = 32
@@ -178,18 +183,42 @@ def _q4_k(blocks: torch.Tensor) -> _Converted:
 
     The 12 bytes hold eight 6-bit (sc, mn) pairs: pairs 0..3 are the low six bits of
     bytes 0..3 (sc) and 4..7 (mn); pairs 4..7 take their low four bits from the nibbles of
-    bytes 8..11 (sc low, mn high) and their top two from the top bits of bytes 0..7. Code
-    bytes come in four runs of 32: run `i`'s low nibbles are sub-block `2i`, its high
-    nibbles sub-block `2i + 1`."""
+    bytes 8..11 (sc low, mn high) and their top two from the top bits of bytes 0..7
+    (`_k_scales_mins`). Code bytes come in four runs of 32 (`_k_nibbles`)."""
+    u = _k_nibbles(blocks[..., 16:144])  # 0..15
+    codes = u[..., 0::2] | (u[..., 1::2] << 4)  # ours: neighbours 2k, 2k + 1 in byte k
+    return codes, _k_scales_mins(blocks)
+
+
+def _q5_k(blocks: torch.Tensor) -> _Converted:
+    """Q5_K super-blocks [r, g, 176] (fp16 d, fp16 dmin, the 12 scale bytes of Q4_K, 32
+    bytes of high bits, 128 of nibbles) -> W8G32M stored values `u` (0..31), and Q4_K's
+    scales and mins per 32 weights.
+
+    The nibbles run as Q4_K's; weight `j` of sub-block `k` takes its fifth bit from bit
+    `k` of high byte `j`."""
+    shifts = torch.arange(8, dtype=torch.uint8)[:, None]  # [8 sub-blocks, 1]
+    high = (blocks[..., None, 16:48] >> shifts) & 1  # [r, g, 8, 32]
+    u = _k_nibbles(blocks[..., 48:176]) | (high.reshape(*blocks.shape[:-1], 256) << 4)
+    return u, _k_scales_mins(blocks)
+
+
+def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's per-32 scale `d * sc` and min `-dmin * mn` in fp32 (exact), from
+    the fp16 `d`, `dmin` at bytes 0 and 2 and the 12 bytes of 6-bit (sc, mn) pairs at 4."""
     d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
     packed_scales = blocks[..., 4:16].to(torch.int32)
     lo, mid, top = packed_scales[..., 0:4], packed_scales[..., 4:8], packed_scales[..., 8:12]
     sc = torch.cat((lo & 63, (top & 15) | ((lo >> 2) & 48)), dim=-1)  # [r, g, 8]
     mn = torch.cat((mid & 63, (top >> 4) | ((mid >> 2) & 48)), dim=-1)
-    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
-    u = torch.cat((qs & 15, qs >> 4), dim=-2).reshape(*blocks.shape[:-1], 256)  # 0..15
-    codes = u[..., 0::2] | (u[..., 1::2] << 4)  # ours: neighbours 2k, 2k + 1 in byte k
-    return codes, (d * sc.to(torch.float32), -dmin * mn.to(torch.float32))
+    return d * sc.to(torch.float32), -dmin * mn.to(torch.float32)
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 code bytes a super-block [r, g, 128] -> its 256 low nibbles in weight order:
+    four runs of 32 bytes, run `i`'s low nibbles sub-block `2i`, its high ones `2i + 1`."""
+    runs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return torch.cat((runs & 15, runs >> 4), dim=-2).reshape(*qs.shape[:-1], 256)
 
 
 def _q6_k(blocks: torch.Tensor) -> _Converted:
@@ -210,7 +239,7 @@ def _q6_k(blocks: torch.Tensor) -> _Converted:
     return u + 96, (_fp16(blocks, 208) * sc,)  # stored u - 32 + 128
 
 
-_K_CONVERTERS = {"Q4_K": _q4_k, "Q6_K": _q6_k}
+_K_CONVERTERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def _fp16_fields(values: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -233,16 +262,23 @@ def _q8_codes(qs: torch.Tensor) -> torch.Tensor:
     return qs ^ 0x80
 
 
-def _q5_0_codes(rest: torch.Tensor) -> torch.Tensor:
-    """Q5_0's 4 bytes of high bits and 16 of nibbles -> W8G32 stored values, per block.
-
-    Weight `j`'s code is `q - 16` with `q = nib(j) | (bit j of the little-endian qh) << 4`
-    (`nib` as Q4_0's); stored offset-binary, `q - 16 + 128`."""
+def _q5_values(rest: torch.Tensor) -> torch.Tensor:
+    """Q5_0's and Q5_1's 4 bytes of high bits and 16 of nibbles -> `q = nib(j) | (bit j of
+    the little-endian qh) << 4` (0..31, `nib` as Q4_0's), per block."""
     shifts = torch.arange(8, dtype=torch.uint8)
     high = ((rest[..., 0:4, None] >> shifts) & 1).reshape(*rest.shape[:-1], 32)
     qs = rest[..., 4:]
-    low = torch.cat((qs & 15, qs >> 4), dim=-1)
-    return (low | (high << 4)) + 112
+    return torch.cat((qs & 15, qs >> 4), dim=-1) | (high << 4)
+
+
+def _q5_0_codes(rest: torch.Tensor) -> torch.Tensor:
+    """Q5_0 -> W8G32 stored values: code `q - 16`, offset-binary `q - 16 + 128`."""
+    return _q5_values(rest) + 112
+
+
+def _q5_1_codes(rest: torch.Tensor) -> torch.Tensor:
+    """Q5_1 -> W8G32M stored values: `q` itself (`w = q * d + m`)."""
+    return _q5_values(rest)
 
 
 def _q4_codes(qs: torch.Tensor) -> torch.Tensor:
@@ -288,4 +324,10 @@ class _ByteSource:
 
 
 #: Code converters of the 32-weight block types (`_blocks_converter`).
-_CODES = {"Q4_0": _q4_codes, "Q4_1": _q4_codes, "Q8_0": _q8_codes, "Q5_0": _q5_0_codes}
+_CODES = {
+    "Q4_0": _q4_codes,
+    "Q4_1": _q4_codes,
+    "Q8_0": _q8_codes,
+    "Q5_0": _q5_0_codes,
+    "Q5_1": _q5_1_codes,
+}

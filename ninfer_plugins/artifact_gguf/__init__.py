@@ -3,7 +3,7 @@
 Reads architectures llama, mistral, qwen2 and qwen3 through gguf-py's `GGUFReader`
 (bounded for untrusted files, `file.py`): the metadata becomes a Hugging Face `config.json`
 (`config.py`), the tensors are served under Hugging Face names in torch's layout, Q4_0,
-Q4_1, Q8_0, Q4_K and Q6_K matrices kept in their codes (`tensors.py`), and the
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices kept in their codes (`tensors.py`), and the
 `tokenizer.*` metadata becomes `tokenizer.json` and `tokenizer_config.json`
 (`tokenizer.py`), so loading, the text layer and `ninfer convert` see a GGUF like a model
 folder. See docs/gguf.md.
@@ -27,8 +27,8 @@ GGUF_MAGIC = b"GGUF"
 class GGUFFileReader:
     name = "gguf"
     description = (
-        "GGUF file (llama.cpp): llama, mistral, qwen2, qwen3 (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K "
-        "kept, the rest dequantized)"
+        "GGUF file (llama.cpp): llama, mistral, qwen2, qwen3 (Q4_0..Q8_0 and "
+        "Q4_K/Q5_K/Q6_K kept, the rest dequantized)"
     )
 
     def supports(self, device: Any) -> Support:
