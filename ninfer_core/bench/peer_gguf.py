@@ -43,7 +43,8 @@ PRE_TOKENIZERS = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe"}
 #: `quantize` types -> llama.cpp's `llama_ftype` names.
 FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
           "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f16": "LLAMA_FTYPE_MOSTLY_F16",
-          "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}  # fmt: skip
+          "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+          "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}  # fmt: skip
 MOSTLY_F16 = 1  # `general.file_type` of an F16 file
 
 # --------------------------------------------------------------------------
