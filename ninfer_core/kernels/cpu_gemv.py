@@ -357,13 +357,14 @@ class Q8GemvLinear(_CodesGemvLinear):
     `ninfer_cpu::gemv_q8`: 1.6x torch's int4 kernel over the same codes as two 4-bit
     halves (SmolLM2's head, 49152 x 576: 1.0 against 1.6 ms). It holds the loaded codes
     (stored as `code + 128`, the unsigned operand VNNI multiplies) and scales themselves:
-    a tied head shares the embedding's bytes.
+    a tied head shares the embedding's bytes. A format with mins (W8G32M, W8G16M: a
+    GGUF's Q5_1, Q5_K and mixed fused groups) computes `u * d + m`.
 
     5- and 6-bit codes (Q5G64, Q6G64: the `mixed` recipe's o, down and head) are widened
-    to 8 bits once, at load: the same values, 8.25 bits a weight held instead of the 16 of
-    the bf16 matrix they would otherwise become. Unpacking 5 or 6 bits on every step would
-    cost more instructions than the bytes it saves: these GEMVs are bound by instructions
-    before memory (docs/performance.md)."""
+    to 8 bits once, at load: the same values, 8.25 bits a weight held. They ran on torch's
+    int4 kernel as two 4-bit halves before, 1.3-1.7x slower over SmolLM2's `mixed` file.
+    Unpacking 5 or 6 bits on every step would save bytes but not the multiplies, which
+    bind these GEMVs (docs/performance.md)."""
 
     BITS = 8
     TAKES = (5, 6, 8)

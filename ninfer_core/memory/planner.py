@@ -216,9 +216,9 @@ def _slot_params(
     # the artifact has nothing to say (every tensor dense, sizes from shapes).
     fmt_of = artifact.tensor_format if artifact is not None else None
     table = artifact.object_table if artifact is not None else None
-    # Stored sizes of tensors held as the file stores them (a `.ninfer`'s objects, a GGUF's
-    # Q4_0 blocks); a GGUF K-quant held in a format of ours (its Q4_K as Q4G32M) is sized
-    # by that format instead.
+    # Object sizes, used where the artifact stores a tensor in the format it is held in
+    # (a `.ninfer`); a GGUF's records name ggml types, and a tensor held in a format of
+    # ours (its Q4_K as Q4G32M) is sized by that format.
     sizes = {rec.name: (rec.format, rec.nbytes) for rec in table()} if table else {}
     groups: dict[str, list] = {}
     for slot in slots:

@@ -101,8 +101,8 @@ _CHUNK_BYTES = 1 << 22
 def from_ggml_blocks(
     type_name: str, raw: bytes | bytearray | memoryview | torch.Tensor, shape: tuple[int, int]
 ) -> QuantizedTensor | None:
-    """The `[rows, cols]` tensor whose ggml blocks (type `type_name`: "Q4_0", "Q4_1",
-    "Q8_0", "Q4_K", "Q6_K") are `raw` -- bytes, a buffer such as a numpy uint8 array
+    """The `[rows, cols]` tensor whose ggml blocks (type `type_name`, one `kept_format`
+    names: "Q4_0", "Q5_K", ...) are `raw` -- bytes, a buffer such as a numpy uint8 array
     (read-only ones included; it is only read), or a uint8 tensor -- as a
     `QuantizedTensor` of the same codes; None for a ggml type we do not keep quantized.
 
