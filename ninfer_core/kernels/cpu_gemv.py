@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
 from ninfer_core.model.ops import PackedLinear
+from ninfer_core.quant.codes import pack_codes
 from ninfer_core.quant.formats import WeightFormat
 from ninfer_core.quant.tensor import QuantizedTensor
 
@@ -381,7 +382,7 @@ class Q8GemvLinear(_CodesGemvLinear):
             self.codes = torch.empty(self.out_features, self.padded_in, dtype=torch.uint8)
             for start in range(0, self.out_features, self.CHUNK_ROWS):
                 part = w.narrow_rows(start, min(self.CHUNK_ROWS, self.out_features - start))
-                wide = part.codes().to(torch.int16).add_(128).to(torch.uint8)  # code + 128
+                wide = pack_codes(part.codes(), 8)  # the same codes, stored as 8-bit ones
                 self.codes[start : start + wide.shape[0]] = wide
             self.scales = w.scales.clone(memory_format=torch.contiguous_format)
         if self.padded_in % 32:  # W8G16 rows of an odd number of 16s: one zero sub-block more

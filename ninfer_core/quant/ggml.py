@@ -62,6 +62,7 @@ import sys
 import torch
 
 from ninfer_core.errors import ArtifactError
+from ninfer_core.quant.codes import pack_codes
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.tensor import QuantizedTensor
 
@@ -158,8 +159,8 @@ _Converted = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
 def _blocks_converter(type_name: str):
-    """Q4_0, Q4_1, Q8_0: [r, groups, block bytes] -> our packed codes per block, and the
-    fp16 d (and m) fields as stored."""
+    """A 32-weight block type (`GGML_FORMATS`): [r, groups, block bytes] -> our packed
+    codes per block, and the fp16 d (and m) fields as stored."""
     n_fp16 = GGML_FORMATS[type_name][2]
     codes_of = _CODES[type_name]
 
@@ -185,9 +186,8 @@ def _q4_k(blocks: torch.Tensor) -> _Converted:
     bytes 0..3 (sc) and 4..7 (mn); pairs 4..7 take their low four bits from the nibbles of
     bytes 8..11 (sc low, mn high) and their top two from the top bits of bytes 0..7
     (`_k_scales_mins`). Code bytes come in four runs of 32 (`_k_nibbles`)."""
-    u = _k_nibbles(blocks[..., 16:144])  # 0..15
-    codes = u[..., 0::2] | (u[..., 1::2] << 4)  # ours: neighbours 2k, 2k + 1 in byte k
-    return codes, _k_scales_mins(blocks)
+    u = _k_nibbles(blocks[..., 16:144]).reshape(-1, 256)  # 0..15, a super-block a row
+    return pack_codes(u.to(torch.int16) - 8, 4), _k_scales_mins(blocks)
 
 
 def _q5_k(blocks: torch.Tensor) -> _Converted:

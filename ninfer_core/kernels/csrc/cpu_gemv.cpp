@@ -125,12 +125,11 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
 // Q4_0/Q4_1 do. `gemv_q8`: 8-bit codes stored u = code + 128, w = d * (u - 128) (ggml's
 // Q8_0), or w = d * u + m with mins, a scale (and min) per group of 1-16 blocks or per 16
-// columns (Q6_K's codes). x is
-// quantized per call, per block of 32, to two int8 planes (`quantize_x`), and `vpdpbusd`
-// multiplies codes and x as exact integers: 64 code bytes a step, each block's sums
-// landing in four (4-bit) or eight (8-bit) lanes. The two planes' sums are joined as
-// integers (256 q + r: a shift, where a second conversion and FMA stood), then
-// scaled by d * dx / 256 in fp32. A min (and the 4-bit symmetric offset, -8 d)
+// columns (Q6_K's codes). x is quantized per call, per block of 32, to two int8 planes
+// (`quantize_x`), and `vpdpbusd` multiplies codes and x as exact integers: 64 code bytes
+// a step, each block's sums landing in four (4-bit) or eight (8-bit) lanes. The two
+// planes' sums are joined as integers (256 q + r: a shift, where a second conversion and
+// FMA stood), then scaled by d * dx / 256 in fp32. A min (and the 4-bit symmetric offset, -8 d)
 // multiplies the quantized x's sums per block (or per 16 columns) in fp32; the 8-bit
 // symmetric offset stays an integer.
 
