@@ -294,14 +294,49 @@ class _CodesGemvLinear(PackedLinear):
         return f"{type(self).__name__}([{self.out_features}, {self.in_features}]{mins})"
 
 
+#: Blocks of 32 columns a step of the 4-bit GEMV interleaves (`_interleave_blocks`).
+_STEP_BLOCKS = 16
+
+
+def _steps(blocks: int) -> list[tuple[int, int]]:
+    """A row's blocks as the 4-bit GEMV's steps: (first block, blocks), 16 a step but
+    the last."""
+    return [(b, min(_STEP_BLOCKS, blocks - b)) for b in range(0, blocks, _STEP_BLOCKS)]
+
+
+def _interleave_blocks(code_bytes: torch.Tensor) -> torch.Tensor:
+    """`[rows, blocks, 16]` code bytes (a block's bytes in order) as the 4-bit GEMV reads
+    them, `[rows, blocks * 16]`: in each step of t blocks, byte 4c + j of block l at
+    offset 4tc + 4l + j (64c + 4l + j in a whole step of 16), so each 32-bit lane of the
+    operator's 64-byte loads holds four bytes of one block, and a block's sums gather in
+    one lane (`dot_q4`)."""
+    rows = code_bytes.shape[0]
+    parts = [
+        code_bytes[:, b : b + t].reshape(rows, t, 4, 4).transpose(1, 2).reshape(rows, 16 * t)
+        for b, t in _steps(code_bytes.shape[1])
+    ]
+    return torch.cat(parts, dim=1)
+
+
+def _block_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_interleave_blocks`: `[rows, blocks * 16]` -> `[rows, blocks, 16]`."""
+    rows, blocks = codes.shape[0], codes.shape[1] // 16
+    parts = [
+        codes[:, 16 * b : 16 * (b + t)].reshape(rows, 4, t, 4).transpose(1, 2)
+        for b, t in _steps(blocks)
+    ]
+    return torch.cat(parts, dim=1).reshape(rows, blocks, 16)
+
+
 class Q4GemvLinear(_CodesGemvLinear):
     """A 4-bit `[out, in]` weight (Q4_0, Q4_1, Q4G64, ...) for `ninfer_cpu::gemv_q4`:
     1.15-1.25x torch's int4 kernel over SmolLM2's and Qwen3-0.6B's layers, out of cache.
 
     Held: the codes re-laid in ggml's block order (a block's 16 bytes hold its columns j
-    and j + 16), half a byte a weight, and a copy of the fp16 scales (and mins), one per
-    group: the operator spreads a group's scale over its blocks of 32 in registers, so a
-    group of 64 costs 4.25 bits a weight, not the 4.5 of its scale repeated per block.
+    and j + 16), the blocks interleaved 16 at a time (`_interleave_blocks`), half a byte a
+    weight; and a copy of the fp16 scales (and mins), one per group: the operator spreads
+    a group's scale over its blocks of 32 in registers, so a group of 64 costs 4.25 bits a
+    weight, not the 4.5 of its scale repeated per block.
     """
 
     BITS = 4
@@ -316,8 +351,8 @@ class Q4GemvLinear(_CodesGemvLinear):
         for start in range(0, rows, self.CHUNK_ROWS):
             part = w.narrow_rows(start, min(self.CHUNK_ROWS, rows - start))
             u = (part.codes() + 8).to(torch.uint8).view(-1, blocks, 2, 16)  # 0..15
-            self.codes[start : start + u.shape[0]] = (u[:, :, 0] | (u[:, :, 1] << 4)).view(
-                -1, self.padded_in // 2
+            self.codes[start : start + u.shape[0]] = _interleave_blocks(
+                u[:, :, 0] | (u[:, :, 1] << 4)
             )
         # Copies, not views of the loaded tensors: a tied head's layer then holds what
         # `nbytes_for` says beside the embedding table, which keeps its own (the planner
@@ -342,7 +377,7 @@ class Q4GemvLinear(_CodesGemvLinear):
         """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `u * d + m`
         (`m = -8 d` for a symmetric format) in fp32, exact before one rounding, as
         `QuantizedTensor.dequantize` computes them."""
-        c = self.codes[start : start + n].view(n, -1, 16)
+        c = _block_bytes(self.codes[start : start + n])
         u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32)  # [n, blocks, 32]
         rows = slice(start, start + n)
         d = _per_span(self.scales[rows], self.padded_in, 32)
