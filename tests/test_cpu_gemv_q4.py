@@ -67,6 +67,23 @@ def test_the_integer_arithmetic_is_the_two_plane_schemes(fmt, rows, out, inp):
     assert (err <= want.abs() * 2**-8 + 1e-4 * want.abs().max()).all(), err.max().item()
 
 
+@pytest.mark.parametrize("fmt", FORMATS[:3])
+@pytest.mark.parametrize("blocks", [1, 3, 5, 15, 16, 17, 19, 31, 35])
+def test_4_bit_rows_of_any_number_of_blocks(fmt, blocks):
+    """The 4-bit layer interleaves a row's blocks 16 at a time and keeps the rest in
+    order: every split of a row into whole steps and a tail gives the two-plane scheme's
+    product, and the prefill path reads the same codes back."""
+    inp = 32 * blocks
+    qt = _weight(fmt, 40, inp, seed=blocks)
+    x = _x(2, inp, seed=blocks)
+    lin = codes_linear(qt)
+    want = _emulated(x, qt)
+    got = lin(x)
+    assert (got.double() == want.bfloat16().double()).float().mean() >= 0.9
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4 * want.abs().max()).all()
+    assert torch.equal(lin.weight_rows(0, 40)[:, :inp], qt.dequantize(torch.bfloat16))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_and_prefill_rows_against_float64(fmt):
     qt = _weight(fmt, 300, 100)  # 100 columns: padded to the group

@@ -306,13 +306,15 @@ def _steps(blocks: int) -> list[tuple[int, int]]:
 
 def _interleave_blocks(code_bytes: torch.Tensor) -> torch.Tensor:
     """`[rows, blocks, 16]` code bytes (a block's bytes in order) as the 4-bit GEMV reads
-    them, `[rows, blocks * 16]`: in each step of t blocks, byte 4c + j of block l at
-    offset 4tc + 4l + j (64c + 4l + j in a whole step of 16), so each 32-bit lane of the
-    operator's 64-byte loads holds four bytes of one block, and a block's sums gather in
-    one lane (`dot_q4`)."""
+    them, `[rows, blocks * 16]`: in each whole step of 16 blocks, byte 4c + j of block l
+    at offset 64c + 4l + j, so each 32-bit lane of the operator's 64-byte loads holds four
+    bytes of one block, and a block's sums gather in one lane (`dot_q4`). The t < 16
+    blocks left at a row's end stay in order."""
     rows = code_bytes.shape[0]
     parts = [
         code_bytes[:, b : b + t].reshape(rows, t, 4, 4).transpose(1, 2).reshape(rows, 16 * t)
+        if t == _STEP_BLOCKS
+        else code_bytes[:, b : b + t].reshape(rows, 16 * t)
         for b, t in _steps(code_bytes.shape[1])
     ]
     return torch.cat(parts, dim=1)
@@ -323,6 +325,8 @@ def _block_bytes(codes: torch.Tensor) -> torch.Tensor:
     rows, blocks = codes.shape[0], codes.shape[1] // 16
     parts = [
         codes[:, 16 * b : 16 * (b + t)].reshape(rows, 4, t, 4).transpose(1, 2)
+        if t == _STEP_BLOCKS
+        else codes[:, 16 * b : 16 * (b + t)].reshape(rows, t, 4, 4)
         for b, t in _steps(blocks)
     ]
     return torch.cat(parts, dim=1).reshape(rows, blocks, 16)

@@ -209,13 +209,19 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
       q.sx[row] = dx * (float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))) +
                         float(_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1))) / kFine);
       if (bits == 4) {
-        // Lane l of a step's chunk c takes block b's columns 4c..4c+3 (lo) and
-        // 16+4c..16+4c+3 (hi), l = b % 16: the codes' interleaved layout (`dot_q4`).
-        const int64_t at = m * blocks * 16 + b / 16 * 256 + (b % 16) * 4;
+        // Columns 0..15 to `lo`, 16..31 to `hi`, laid out as the codes: in a whole step
+        // of 16 blocks, lane l = b % 16 of chunk c takes columns 4c..4c+3 of each half;
+        // in the row's last t < 16 blocks, a block's 16 columns in order (`dot_q4`).
+        const bool whole = b < nb / 16 * 16;
+        const int64_t at = m * blocks * 16 + (whole ? b / 16 * 256 + (b % 16) * 4 : b * 16);
         const __m128i planes[4] = {_mm512_cvtsepi32_epi8(q0), _mm512_cvtsepi32_epi8(q1),
                                    _mm512_cvtsepi32_epi8(r0), _mm512_cvtsepi32_epi8(r1)};
         int8_t* dst[4] = {q.lo.data() + at, q.hi.data() + at, q.lo2.data() + at, q.hi2.data() + at};
         for (int p = 0; p < 4; ++p) {
+          if (!whole) {
+            _mm_storeu_si128((__m128i*)dst[p], planes[p]);
+            continue;
+          }
           alignas(16) int8_t v[16];
           _mm_store_si128((__m128i*)v, planes[p]);
           for (int c = 0; c < 4; ++c) std::memcpy(dst[p] + 64 * c, v + 4 * c, 4);
@@ -257,14 +263,40 @@ inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gb, _
 
 // One 4-bit weight row against one quantized x row, 16 blocks a step. The codes of a
 // step are interleaved (`Q4GemvLinear`): its chunk c (64 bytes) holds, in lane l, bytes
-// 4c..4c+3 of block l (a step of t < 16 blocks at a row's end: t lanes, 4t bytes a
-// chunk). Each lane so sums one block's products, exactly, over the step's four chunks
-// and both planes of x, and the step scales them with one conversion and one FMA: 1.4x
-// the block-per-four-lanes layout's codes a second in cache (a permute, conversion and
-// FMA per chunk).
+// 4c..4c+3 of block l. Each lane so sums one block's products, exactly, over the step's
+// four chunks and both planes of x, and the step scales them with one conversion and one
+// FMA: 1.4-1.5x the codes a second in cache of a layout with a block per four lanes (a
+// permute, conversion and FMA per chunk). The t < 16 blocks left at a row's end
+// (SmolLM2's 576 columns: 18 blocks) keep that layout, a block's 16 bytes in order and
+// four blocks a chunk (`tail_q4`): interleaved, they would take four chunks' multiplies
+// for one chunk's codes.
+// The last t < 16 blocks of a 4-bit row, four blocks (16 lanes) a chunk, block j taking
+// lanes 4 (j % 4) .. 4 (j % 4) + 3: each chunk's joined sums scaled by a permute of the
+// blocks' scales (`quads`) into `acc`.
+inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const int8_t* xhi,
+                      const int8_t* xlo2, const int8_t* xhi2, __m512 scale, const __m512i* quads,
+                      __m512 acc) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  for (int c = 0; 4 * c < t; ++c) {
+    const int64_t blocks = std::min<int64_t>(4, t - 4 * c);
+    const __mmask64 cmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
+    const int64_t at = 64 * c;
+    const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
+    const __m512i lo = _mm512_and_si512(v, nib);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xlo + at));
+    isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(xhi + at));
+    isum = _mm512_slli_epi32(isum, kFineShift);
+    isum = _mm512_dpbusd_epi32(isum, lo, _mm512_loadu_si512(xlo2 + at));
+    isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(xhi2 + at));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(quads[c], scale), acc);
+  }
+  return acc;
+}
+
 template <bool kMins>
 inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
-                    int gb, __m512i expand, const QuantX& q, int64_t m) {
+                    int gb, __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
   const int8_t* xlo = q.lo.data() + m * q.blocks * 16;
   const int8_t* xhi = q.hi.data() + m * q.blocks * 16;
@@ -280,15 +312,17 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
     const __m512 mterm = kMins ? block_values(mn, b, left, gb, expand) : _mm512_mul_ps(dw, off);
     macc = _mm512_fmadd_ps(mterm, _mm512_loadu_ps(sx + b), macc);
-    const uint8_t* step = codes + b * 16;
-    const int64_t at = b * 16;  // x's planes: 256 bytes a step of 16 blocks
+    const int64_t at = b * 16;  // codes and x's planes: 256 bytes a step of 16 blocks
+    if (left < 16) {
+      acc = tail_q4(codes + at, left, xlo + at, xhi + at, xlo2 + at, xhi2 + at, scale, quads, acc);
+      break;
+    }
     // Four sums, two chains of dependent `vpdpbusd` each: a plane of x by half the codes.
     __m512i q0 = _mm512_setzero_si512(), q1 = q0, r0 = q0, r1 = q0;
-    const __mmask64 cmask = left == 16 ? ~0ull : (1ull << (4 * left)) - 1;
     for (int c = 0; c < 4; ++c) {
-      const uint8_t* chunk = step + 4 * left * c;
+      const uint8_t* chunk = codes + at + 64 * c;
       _mm_prefetch((const char*)chunk + kAhead, _MM_HINT_T0);
-      const __m512i v = _mm512_maskz_loadu_epi8(cmask, chunk);
+      const __m512i v = _mm512_loadu_si512(chunk);
       const __m512i lo = _mm512_and_si512(v, nib);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       q0 = _mm512_dpbusd_epi32(q0, lo, _mm512_loadu_si512(xlo + at + 64 * c));
@@ -421,7 +455,7 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const __m512i expand = _mm512_load_si512(idx);
   for (int l = 0; l < 16; ++l) idx[l] = l / 2;
   const __m512i pairs = _mm512_load_si512(idx);
-  __m512i quads[4];  // a scale per 16 columns: four lanes a scale
+  __m512i quads[4];  // four lanes a value: 4-bit tails, and 8-bit scales per 16 columns
   for (int c = 0; c < 4; ++c) quads[c] = spread(4, c);
   const int g = int(gb);
   const int64_t row_bytes = K * bits / 8;
@@ -436,8 +470,8 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
                         : bits == 8
                             ? (mp ? dot_q8<true>(c, d, mins_n, nb, g, expand, qx, m, lanes)
                                   : dot_q8<false>(c, d, nullptr, nb, g, expand, qx, m, lanes))
-                        : mp ? dot_q4<true>(c, d, mp + n * groups, nb, g, expand, qx, m)
-                             : dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m);
+                        : mp ? dot_q4<true>(c, d, mp + n * groups, nb, g, expand, qx, m, quads)
+                             : dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, quads);
         yp[m * N + n] = to_bf16(s);
       }
   });
