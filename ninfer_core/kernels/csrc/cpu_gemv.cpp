@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <vector>
 
@@ -142,10 +143,29 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // `sym` (8-bit), per 32-bit lane of a chunk, -128 times the joined sum of the x that
 // lane multiplies (256 q + r): added to the joined sums, so a code's offset never needs
 // subtracting. Rows are padded with zeros to whole groups of 16 blocks.
+// Storage on 64-byte boundaries: every 64-byte load of x's planes then reads one cache
+// line, not two.
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+using Plane = std::vector<int8_t, Aligned64<int8_t>>;
+
 struct QuantX {
   int64_t blocks = 0;  // per row, a multiple of 16
-  std::vector<int8_t> lo, hi, xq;      // x / dx rounded
-  std::vector<int8_t> lo2, hi2, xq2;   // what that rounding left, times kFine, rounded
+  Plane lo, hi, xq;      // x / dx rounded
+  Plane lo2, hi2, xq2;   // what that rounding left, times kFine, rounded
   std::vector<float> dx, sx;
   std::vector<float> sx16;  // 8-bit layout: sx per 16 columns (a min per 16 multiplies it)
   std::vector<int32_t> sym;
@@ -252,21 +272,23 @@ inline __m512i spread(int per, int c) {
 }
 
 // A row's fp16 scales (or mins) of blocks b .. b + 15 as 16 fp32: one value per group of
-// `gb` blocks (gb divides 16), loaded once and spread over the group's blocks by `expand`.
-// A group of 64 or more keeps one scale per group in memory (Q4G64: 4.25 bits a weight,
-// not 4.5 with its scale repeated per block).
-inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gb, __m512i expand) {
-  const int64_t n = (left + gb - 1) / gb;
-  const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), d + b / gb));
-  return gb == 1 ? v : _mm512_permutexvar_ps(expand, v);
+// 2^gshift blocks (1-16), loaded once and spread over the group's blocks by `expand`. A
+// group of 64 or more keeps one scale per group in memory (Q4G64: 4.25 bits a weight, not
+// 4.5 with its scale repeated per block). Shifts, not divisions: an `idiv` a step cost the
+// 4-bit GEMV a quarter of its speed from cache.
+inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gshift, __m512i expand) {
+  const int64_t n = (left + (1 << gshift) - 1) >> gshift;
+  const __m512 v =
+      _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), d + (b >> gshift)));
+  return gshift == 0 ? v : _mm512_permutexvar_ps(expand, v);
 }
 
 // One 4-bit weight row against one quantized x row, 16 blocks a step. The codes of a
 // step are interleaved (`Q4GemvLinear`): its chunk c (64 bytes) holds, in lane l, bytes
 // 4c..4c+3 of block l. Each lane so sums one block's products, exactly, over the step's
 // four chunks and both planes of x, and the step scales them with one conversion and one
-// FMA: 1.4-1.5x the codes a second in cache of a layout with a block per four lanes (a
-// permute, conversion and FMA per chunk). The t < 16 blocks left at a row's end
+// FMA: 1.15-1.2x the codes a second from cache of a layout with a block per four lanes
+// (a permute, conversion and FMA per chunk); streamed from memory, the same. The t < 16 blocks left at a row's end
 // (SmolLM2's 576 columns: 18 blocks) keep that layout, a block's 16 bytes in order and
 // four blocks a chunk (`tail_q4`): interleaved, they would take four chunks' multiplies
 // for one chunk's codes.
@@ -296,7 +318,7 @@ inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const 
 
 template <bool kMins>
 inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
-                    int gb, __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
+                    int gshift, __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
   const int8_t* xlo = q.lo.data() + m * q.blocks * 16;
   const int8_t* xhi = q.hi.data() + m * q.blocks * 16;
@@ -308,9 +330,9 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
-    const __m512 dw = block_values(d, b, left, gb, expand);
+    const __m512 dw = block_values(d, b, left, gshift, expand);
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
-    const __m512 mterm = kMins ? block_values(mn, b, left, gb, expand) : _mm512_mul_ps(dw, off);
+    const __m512 mterm = kMins ? block_values(mn, b, left, gshift, expand) : _mm512_mul_ps(dw, off);
     macc = _mm512_fmadd_ps(mterm, _mm512_loadu_ps(sx + b), macc);
     const int64_t at = b * 16;  // codes and x's planes: 256 bytes a step of 16 blocks
     if (left < 16) {
@@ -361,7 +383,7 @@ inline __m512 chunk_q8(const uint8_t* codes, int64_t blk, int64_t left, const in
 // blocks (eight chunks of two) a step.
 template <bool kMins>
 inline float dot_q8(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
-                    int gb, __m512i expand, const QuantX& q, int64_t m, const __m512i* lanes) {
+                    int gshift, __m512i expand, const QuantX& q, int64_t m, const __m512i* lanes) {
   const int8_t* xq = q.xq.data() + m * q.blocks * 32;
   const int8_t* xq2 = q.xq2.data() + m * q.blocks * 32;
   const float* dx = q.dx.data() + m * q.blocks;
@@ -371,10 +393,10 @@ inline float dot_q8(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
-    const __m512 dw = block_values(d, b, left, gb, expand);
+    const __m512 dw = block_values(d, b, left, gshift, expand);
     const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
     if (kMins)
-      macc = _mm512_fmadd_ps(block_values(mn, b, left, gb, expand), _mm512_loadu_ps(sx + b), macc);
+      macc = _mm512_fmadd_ps(block_values(mn, b, left, gshift, expand), _mm512_loadu_ps(sx + b), macc);
     for (int c = 0; c < 8 && 2 * c < left; ++c) {
       const __m512 s = chunk_q8<kMins>(codes, b + 2 * c, left - 2 * c, xq, xq2, sym);
       if (c & 1) acc1 = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(lanes[c], scale), acc1);
@@ -457,24 +479,44 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const __m512i pairs = _mm512_load_si512(idx);
   __m512i quads[4];  // four lanes a value: 4-bit tails, and 8-bit scales per 16 columns
   for (int c = 0; c < 4; ++c) quads[c] = spread(4, c);
-  const int g = int(gb);
+  const int g = gb > 0 ? __builtin_ctzll(gb) : 0;  // gb is 1, 2, 4, 8 or 16
   const int64_t row_bytes = K * bits / 8;
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        const uint8_t* c = cp + n * row_bytes;
-        const uint16_t* d = dp + n * groups;
-        const uint16_t* mins_n = mp ? mp + n * groups : nullptr;
-        const float s = per16 ? (mp ? dot_q8_16<true>(c, d, mins_n, nb, qx, m, quads, pairs)
-                                    : dot_q8_16<false>(c, d, nullptr, nb, qx, m, quads, pairs))
-                        : bits == 8
-                            ? (mp ? dot_q8<true>(c, d, mins_n, nb, g, expand, qx, m, lanes)
-                                  : dot_q8<false>(c, d, nullptr, nb, g, expand, qx, m, lanes))
-                        : mp ? dot_q4<true>(c, d, mp + n * groups, nb, g, expand, qx, m, quads)
-                             : dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, quads);
-        yp[m * N + n] = to_bf16(s);
-      }
-  });
+  // Each kind of row gets a loop of its own (one instantiation of `rows`), chosen once
+  // here rather than per row.
+  auto rows = [&](auto dot) {
+    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m)
+          yp[m * N + n] = to_bf16(
+              dot(cp + n * row_bytes, dp + n * groups, mp ? mp + n * groups : nullptr, m));
+    });
+  };
+  using Row = const uint8_t*;
+  using Values = const uint16_t*;
+  if (per16 && mp)
+    rows([&](Row c, Values d, Values mn, int64_t m) {
+      return dot_q8_16<true>(c, d, mn, nb, qx, m, quads, pairs);
+    });
+  else if (per16)
+    rows([&](Row c, Values d, Values, int64_t m) {
+      return dot_q8_16<false>(c, d, nullptr, nb, qx, m, quads, pairs);
+    });
+  else if (bits == 8 && mp)
+    rows([&](Row c, Values d, Values mn, int64_t m) {
+      return dot_q8<true>(c, d, mn, nb, g, expand, qx, m, lanes);
+    });
+  else if (bits == 8)
+    rows([&](Row c, Values d, Values, int64_t m) {
+      return dot_q8<false>(c, d, nullptr, nb, g, expand, qx, m, lanes);
+    });
+  else if (mp)
+    rows([&](Row c, Values d, Values mn, int64_t m) {
+      return dot_q4<true>(c, d, mn, nb, g, expand, qx, m, quads);
+    });
+  else
+    rows([&](Row c, Values d, Values, int64_t m) {
+      return dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, quads);
+    });
   return y;
 }
 
