@@ -41,9 +41,9 @@ _SOURCES = [str(Path(__file__).with_name("csrc") / name)
             for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]  # fmt: skip
 #: `-fopenmp`: `at::parallel_for` is a header template whose threads are OpenMP pragmas,
 #: compiled here; without it every call runs on one thread. `-falign-loops=64`: the GEMVs'
-#: inner loops start on a cache line, so their speed does not hang on where the linker
-#: happens to put them (the same 4-bit loop ran 30 or 36 G codes/s from cache, 1 thread,
-#: in two builds that differed only in what else the library held).
+#: inner loops start on a cache line, so their speed depends less on where the linker
+#: puts them (without it the same 4-bit loop read 29-36 G codes/s from cache, 1 thread,
+#: from one build to another).
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
           "-mavx512vnni", "-mf16c", "-mfma", "-falign-loops=64"]  # fmt: skip
 

@@ -135,14 +135,6 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // A min (and the 4-bit symmetric offset, -8 d) multiplies the quantized x's sums per
 // block (or per 16 columns) in fp32; the 8-bit symmetric offset stays an integer.
 
-// x quantized per block of 32 columns and laid out to match the codes, per row. 4-bit
-// layout: per step of 16 blocks, 256 bytes of the blocks' columns 0..15 (`lo`) and 256
-// of columns 16..31 (`hi`), interleaved as the codes are. 8-bit layout: `xq`, the columns in order. Per block the
-// scale `dx` and `sx`, the quantized values' sum times dx (the offset term of a min),
-// and for the 8-bit layout `sx16`, the same per 16 columns.
-// `sym` (8-bit), per 32-bit lane of a chunk, -128 times the joined sum of the x that
-// lane multiplies (256 q + r): added to the joined sums, so a code's offset never needs
-// subtracting. Rows are padded with zeros to whole groups of 16 blocks.
 // Storage on 64-byte boundaries: every 64-byte load of x's planes then reads one cache
 // line, not two.
 template <typename T>
@@ -162,6 +154,14 @@ struct Aligned64 {
 };
 using Plane = std::vector<int8_t, Aligned64<int8_t>>;
 
+// x quantized per block of 32 columns and laid out to match the codes, per row. 4-bit
+// layout: per step of 16 blocks, 256 bytes of the blocks' columns 0..15 (`lo`) and 256
+// of columns 16..31 (`hi`), interleaved as the codes are. 8-bit layout: `xq`, the
+// columns in order. Per block the scale `dx` and `sx`, the quantized values' sum times dx
+// (the offset term of a min), and for the 8-bit layout `sx16`, the same per 16 columns.
+// `sym` (8-bit), per 32-bit lane of a chunk, -128 times the joined sum of the x that
+// lane multiplies (256 q + r): added to the joined sums, so a code's offset never needs
+// subtracting. Rows are padded with zeros to whole groups of 16 blocks.
 struct QuantX {
   int64_t blocks = 0;  // per row, a multiple of 16
   Plane lo, hi, xq;      // x / dx rounded
@@ -274,8 +274,8 @@ inline __m512i spread(int per, int c) {
 // A row's fp16 scales (or mins) of blocks b .. b + 15 as 16 fp32: one value per group of
 // 2^gshift blocks (1-16), loaded once and spread over the group's blocks by `expand`. A
 // group of 64 or more keeps one scale per group in memory (Q4G64: 4.25 bits a weight, not
-// 4.5 with its scale repeated per block). Shifts, not divisions: an `idiv` a step cost the
-// 4-bit GEMV a quarter of its speed from cache.
+// 4.5 with its scale repeated per block). Shifts, not divisions: a group is a power of
+// two blocks, and an `idiv` per step is tens of cycles.
 inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gshift, __m512i expand) {
   const int64_t n = (left + (1 << gshift) - 1) >> gshift;
   const __m512 v =
@@ -283,15 +283,6 @@ inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gshif
   return gshift == 0 ? v : _mm512_permutexvar_ps(expand, v);
 }
 
-// One 4-bit weight row against one quantized x row, 16 blocks a step. The codes of a
-// step are interleaved (`Q4GemvLinear`): its chunk c (64 bytes) holds, in lane l, bytes
-// 4c..4c+3 of block l. Each lane so sums one block's products, exactly, over the step's
-// four chunks and both planes of x, and the step scales them with one conversion and one
-// FMA: 1.15-1.2x the codes a second from cache of a layout with a block per four lanes
-// (a permute, conversion and FMA per chunk); streamed from memory, the same. The t < 16 blocks left at a row's end
-// (SmolLM2's 576 columns: 18 blocks) keep that layout, a block's 16 bytes in order and
-// four blocks a chunk (`tail_q4`): interleaved, they would take four chunks' multiplies
-// for one chunk's codes.
 // The last t < 16 blocks of a 4-bit row, four blocks (16 lanes) a chunk, block j taking
 // lanes 4 (j % 4) .. 4 (j % 4) + 3: each chunk's joined sums scaled by a permute of the
 // blocks' scales (`quads`) into `acc`.
@@ -316,6 +307,15 @@ inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const 
   return acc;
 }
 
+// One 4-bit weight row against one quantized x row, 16 blocks a step. The codes of a
+// step are interleaved (`Q4GemvLinear`): its chunk c (64 bytes) holds, in lane l, bytes
+// 4c..4c+3 of block l. Each lane so sums one block's products, exactly, over the step's
+// four chunks and both planes of x, and the step scales them with one conversion and one
+// FMA: 1.15-1.2x the codes a second from cache of a layout with a block per four lanes
+// (a permute, conversion and FMA per chunk); streamed from memory, the same. The t < 16
+// blocks left at a row's end (SmolLM2's 576 columns: 18 blocks) keep that layout, a
+// block's 16 bytes in order and four blocks a chunk (`tail_q4`): interleaved, they would
+// take four chunks' multiplies for one chunk's codes.
 template <bool kMins>
 inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
                     int gshift, __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
