@@ -264,7 +264,8 @@ def _q8_codes(qs: torch.Tensor) -> torch.Tensor:
 
 def _q5_values(rest: torch.Tensor) -> torch.Tensor:
     """Q5_0's and Q5_1's 4 bytes of high bits and 16 of nibbles -> `q = nib(j) | (bit j of
-    the little-endian qh) << 4` (0..31, `nib` as Q4_0's), per block."""
+    the little-endian qh) << 4` (0..31, `nib` as Q4_0's), per block: Q5_1's W8G32M stored
+    values as they are (`w = q * d + m`)."""
     shifts = torch.arange(8, dtype=torch.uint8)
     high = ((rest[..., 0:4, None] >> shifts) & 1).reshape(*rest.shape[:-1], 32)
     qs = rest[..., 4:]
@@ -274,11 +275,6 @@ def _q5_values(rest: torch.Tensor) -> torch.Tensor:
 def _q5_0_codes(rest: torch.Tensor) -> torch.Tensor:
     """Q5_0 -> W8G32 stored values: code `q - 16`, offset-binary `q - 16 + 128`."""
     return _q5_values(rest) + 112
-
-
-def _q5_1_codes(rest: torch.Tensor) -> torch.Tensor:
-    """Q5_1 -> W8G32M stored values: `q` itself (`w = q * d + m`)."""
-    return _q5_values(rest)
 
 
 def _q4_codes(qs: torch.Tensor) -> torch.Tensor:
@@ -329,5 +325,5 @@ _CODES = {
     "Q4_1": _q4_codes,
     "Q8_0": _q8_codes,
     "Q5_0": _q5_0_codes,
-    "Q5_1": _q5_1_codes,
+    "Q5_1": _q5_values,
 }

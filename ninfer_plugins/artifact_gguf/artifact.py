@@ -69,11 +69,11 @@ def _kept_formats(named: dict[str, Any]) -> dict[str, str]:
         if len(formats) == 1:
             continue
         common = None if None in formats else common_format(weight_format(f) for f in formats)
-        for p in present:
-            if common is None:
+        if common is None:
+            for p in present:
                 kept.pop(p, None)
-            else:
-                kept[p] = common.name
+        else:
+            kept.update(dict.fromkeys(present, common.name))
     return kept
 
 
