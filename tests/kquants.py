@@ -1,9 +1,10 @@
-"""Encoders for ggml's Q4_K and Q6_K super-blocks, for writing test files.
+"""Encoders for ggml's Q2_K, Q3_K, Q4_K, Q6_K and IQ4_XS super-blocks, for writing test
+files.
 
 gguf-py dequantizes K-quants but cannot write them (`gguf.quants.quantize` raises
 NotImplementedError), so the tests encode their own: a plain absmax choice of scales, not
 llama.cpp's search, which is all a test file needs. The layouts follow
-`gguf.quants.Q4_K` and `gguf.quants.Q6_K`; `test_gguf_kquants.py` checks that gguf-py
+`gguf.quants` (its classes of the same names); `test_gguf_kquants.py` checks that gguf-py
 decodes what these write.
 """
 
@@ -66,4 +67,74 @@ def encode_q4_k(a: np.ndarray) -> np.ndarray:
     return np.concatenate((head, packed, qs), axis=1).reshape(rows, -1)
 
 
-ENCODERS = {"Q4_K": encode_q4_k, "Q6_K": encode_q6_k}
+def _pairs(u: np.ndarray) -> np.ndarray:
+    """2-bit values [n, 256] -> Q2_K's and Q3_K's 64 bytes: weight 128 h + 32 s + j in
+    bits 2s, 2s + 1 of byte 32 h + j."""
+    four = (u & 3).reshape(-1, 2, 4, 32)
+    return sum(four[:, :, s] << (2 * s) for s in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def encode_q3_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 110]."""
+    rows = a.shape[0]
+    x = a.astype(np.float64).reshape(-1, 16, 16)
+    sub = np.abs(x).max(-1) / 4
+    d = _f16(sub.max(-1) / 31)
+    df = d.astype(np.float64)
+    s = np.clip(np.rint(sub / _safe(df)[:, None]), 0, 31)
+    eff = df[:, None] * s
+    q = np.clip(np.rint(x / _safe(eff)[..., None]), -4, 3) * (eff[..., None] > 0)
+    u = (q + 4).astype(np.uint8).reshape(-1, 256)  # 0..7
+    hbits = (u >> 2).reshape(-1, 8, 32)  # weight 32 b + j: bit b of byte j
+    hmask = sum(hbits[:, b] << b for b in range(8)).astype(np.uint8)
+    sc = (s + 32).astype(np.uint8)  # 6 bits, the scale sc - 32
+    low = (sc[:, 0:8] & 15) | ((sc[:, 8:16] & 15) << 4)
+    top = sum(((sc[:, 4 * t : 4 * t + 4] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)
+    parts = (hmask, _pairs(u), low, top, d.view(np.uint8).reshape(-1, 2))
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def encode_q2_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 84]."""
+    rows = a.shape[0]
+    x = a.astype(np.float64).reshape(-1, 16, 16)
+    low = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - low) / 3
+    d, dmin = _f16(scale.max(-1) / 15), _f16((-low).max(-1) / 15)
+    df, dmf = d.astype(np.float64), dmin.astype(np.float64)
+    sc = np.clip(np.rint(scale / _safe(df)[:, None]), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(-low / _safe(dmf)[:, None]), 0, 15).astype(np.uint8)
+    eff, effm = df[:, None] * sc, dmf[:, None] * m
+    u = np.clip(np.rint((x + effm[..., None]) / _safe(eff)[..., None]), 0, 3)
+    u = (u * (eff[..., None] > 0)).astype(np.uint8).reshape(-1, 256)
+    parts = (sc | (m << 4), _pairs(u), d.view(np.uint8).reshape(-1, 2),
+             dmin.view(np.uint8).reshape(-1, 2))  # fmt: skip
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+#: IQ4_NL's and IQ4_XS's values (`gguf.quants.IQ4_NL.kvalues`).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+
+
+def encode_iq4_xs(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 136]."""
+    rows = a.shape[0]
+    x = a.astype(np.float64).reshape(-1, 8, 32)
+    sub = np.abs(x).max(-1) / 127
+    d = _f16(sub.max(-1) / 31)
+    df = d.astype(np.float64)
+    s = np.clip(np.rint(sub / _safe(df)[:, None]), 0, 31)
+    eff = df[:, None] * s
+    nib = np.abs((x / _safe(eff)[..., None])[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
+    qs = (nib[..., :16] | (nib[..., 16:] << 4)).reshape(-1, 128)  # sub-block: j, j + 16
+    ls = (s + 32).astype(np.uint16)  # 6 bits, the scale ls - 32
+    low = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    high = sum(((ls[:, k] >> 4) & 3) << (2 * k) for k in range(8)).astype(np.uint16)
+    parts = (d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low, qs)
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+ENCODERS = {
+    "Q2_K": encode_q2_k, "Q3_K": encode_q3_k, "Q4_K": encode_q4_k, "Q6_K": encode_q6_k,
+    "IQ4_XS": encode_iq4_xs,
+}  # fmt: skip

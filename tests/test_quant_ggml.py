@@ -181,7 +181,8 @@ def test_row_chunks_give_the_same_result(monkeypatch):
 
 def test_other_types_and_bad_input():
     raw = bytes(34 * 2)
-    for other in ("F16", "Q2_K", "Q3_K", "IQ4_NL", "MXFP4"):  # Q5_*, K: test_gguf_kquants.py
+    # Q5_*, the K-quants and IQ4_*: test_gguf_kquants.py
+    for other in ("F16", "IQ2_XXS", "IQ3_S", "TQ1_0", "MXFP4"):
         assert from_ggml_blocks(other, raw, (2, 32)) is None
     with pytest.raises(ArtifactError, match="takes 68 bytes"):
         from_ggml_blocks("Q8_0", raw[:-1], (2, 32))

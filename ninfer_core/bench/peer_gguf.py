@@ -44,7 +44,9 @@ PRE_TOKENIZERS = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe"}
 FTYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
           "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "f16": "LLAMA_FTYPE_MOSTLY_F16",
           "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-          "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}  # fmt: skip
+          "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+          "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+          "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}  # fmt: skip
 MOSTLY_F16 = 1  # `general.file_type` of an F16 file
 
 # --------------------------------------------------------------------------

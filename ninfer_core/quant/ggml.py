@@ -1,4 +1,5 @@
-"""ggml blocks -> `QuantizedTensor`: Q4_0..Q8_0 exactly; Q4_K, Q5_K, Q6_K codes too.
+"""ggml blocks -> `QuantizedTensor`: Q4_0..Q8_0 and IQ4_NL exactly; the K-quants' codes
+(Q2_K..Q6_K) and IQ4_XS's too.
 
 A GGUF tensor of one of these types is a row-major run of 32-weight blocks along each
 row (ggml's `ne[0]`, torch's last dimension), each block little-endian:
@@ -26,12 +27,15 @@ They map onto our formats (`formats.py`) value for value:
   Q4_K_M writes Q5_0 where a row is not a whole number of 256-weight super-blocks, as
   SmolLM2's 576 columns are not).
 - Q5_1 -> W8G32M: stored value `nib + 16 hb`, scale `d`, min `m`.
+- IQ4_NL (fp16 d, 16 nibble bytes in Q4_0's order) -> W8G32: weight `v[nib(i)] * d`,
+  where `v` is a code book of sixteen integers in -127 .. 113, so the code is `v[nib]`
+  itself, scale `d`.
 
 Only the nibble order changes (ours holds neighbours `2k, 2k + 1` in byte `k`); scales
 and mins are the blocks' fp16 bit patterns, moved, never rounded.
 
-Three K-quant types, the bulk of llama.cpp's Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S and Q6_K
-files, keep their codes too. Each 256-weight super-block holds an fp16 `d` (and `dmin`)
+The K-quant types, the bulk of llama.cpp's Q2_K, Q3_K_*, Q4_K_*, Q5_K_* and Q6_K files,
+keep their codes too, and so does IQ4_XS. Each 256-weight super-block holds an fp16 `d` (and `dmin`)
 and small integer scales per sub-block:
 
 | ggml type | bytes | sub-blocks | weight of sub-block `j`          | code u | our format |
@@ -39,16 +43,20 @@ and small integer scales per sub-block:
 | Q4_K      | 144   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..15  | Q4G32M     |
 | Q5_K      | 176   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..31  | W8G32M     |
 | Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | W8G16      |
+| Q3_K      | 110   | 16 of 16   | `(u - 4) * (d * (sc[j] - 32))`   | 0..7   | W8G16      |
+| Q2_K      | 84    | 16 of 16   | `u * (d * sc[j]) - dmin * mn[j]` | 0..3   | W8G16M     |
+| IQ4_XS    | 136   | 8 of 32    | `v[u] * (d * (sc[j] - 32))`      | 0..15  | W8G32      |
 
-(Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8.)
+(Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8, Q3_K's and IQ4_XS's `sc`
+6-bit, Q2_K's `sc` and `mn` 4-bit; IQ4_XS's `v` is IQ4_NL's code book.)
 
-The codes are kept as they are (Q5_K's and Q6_K's widen to our 8-bit ones). The
+The codes are kept as they are (all but Q4_K's widen to our 8-bit ones). The
 sub-block products `d * sc[j]` and `dmin * mn[j]` are exact in fp32; ours are fp16, so
 each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's own
 Q8_0 scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized
 to bf16. A product past fp16's range fails the load with the tensor named.
 
-Any other ggml type (F16, BF16, Q2_K, Q3_K, the IQ types, ...) gives None: the reader
+Any other ggml type (F16, BF16, the IQ1-IQ3 types, ...) gives None: the reader
 dequantizes those itself.
 
 A reader that reorders rows afterwards (llama.cpp's q/k row permutation) does it with
@@ -73,12 +81,16 @@ GGML_FORMATS: dict[str, tuple[str, int, int]] = {
     "Q8_0": ("W8G32", 34, 1),
     "Q5_0": ("W8G32", 22, 1),
     "Q5_1": ("W8G32M", 24, 2),
+    "IQ4_NL": ("W8G32", 18, 1),
 }
 #: ggml K-quant type name -> (our format, bytes per 256-weight super-block).
 K_FORMATS: dict[str, tuple[str, int]] = {
     "Q4_K": ("Q4G32M", 144),
     "Q6_K": ("W8G16", 210),
     "Q5_K": ("W8G32M", 176),
+    "Q3_K": ("W8G16", 110),
+    "Q2_K": ("W8G16M", 84),
+    "IQ4_XS": ("W8G32", 136),
 }
 #: Weights per ggml block, and per K-quant super-block.
 BLOCK = 32
@@ -239,7 +251,77 @@ def _q6_k(blocks: torch.Tensor) -> _Converted:
     return u + 96, (_fp16(blocks, 208) * sc,)  # stored u - 32 + 128
 
 
-_K_CONVERTERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _q3_k(blocks: torch.Tensor) -> _Converted:
+    """Q3_K super-blocks [r, g, 110] (32 bytes of high bits, 64 of 2-bit pairs, 12 of
+    6-bit scales, fp16 d) -> W8G16 codes (`q - 4`, stored offset-binary), and per 16
+    weights the scale `d * (sc - 32)` in fp32 (exact).
+
+    Weight `i = 32 b + j` (j < 32) takes its third bit from bit `b` of high byte `j`; a
+    set bit adds 4, so `q = pair + 4 hbit` runs 0..7 and the code is `q - 4`
+    (`gguf.quants.Q3_K`). Scale `k`'s low four bits are nibble `k // 8` of byte `k % 8`,
+    its top two bits `2 (k // 4)` of byte `8 + k % 4`."""
+    lead = blocks.shape[:-1]
+    bits = torch.arange(8, dtype=torch.uint8)[:, None]  # [8, 1]
+    high = ((blocks[..., None, 0:32] >> bits) & 1).reshape(*lead, 256)
+    q = _k_pairs(blocks[..., 32:96]) | (high << 2)  # 0..7, code q - 4
+    packed = blocks[..., 96:108]
+    low = torch.cat((packed[..., 0:8] & 15, packed[..., 0:8] >> 4), dim=-1)  # [r, g, 16]
+    top = torch.cat([(packed[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    sc = (low | (top << 4)).to(torch.float32) - 32
+    return q + 124, (_fp16(blocks, 108) * sc,)  # stored q - 4 + 128
+
+
+def _q2_k(blocks: torch.Tensor) -> _Converted:
+    """Q2_K super-blocks [r, g, 84] (16 bytes of 4-bit scale and min pairs, 64 of 2-bit
+    codes, fp16 d and dmin) -> W8G16M stored values `u` (0..3), and per 16 weights the
+    scale `d * (s & 15)` and min `-dmin * (s >> 4)` in fp32 (exact)."""
+    packed = blocks[..., 0:16]
+    sc, mn = (packed & 15).to(torch.float32), (packed >> 4).to(torch.float32)
+    return _k_pairs(blocks[..., 16:80]), (_fp16(blocks, 80) * sc, -_fp16(blocks, 82) * mn)
+
+
+def _k_pairs(qs: torch.Tensor) -> torch.Tensor:
+    """64 bytes of 2-bit codes a super-block [r, g, 64] -> its 256 codes in weight order:
+    weight `128 h + 32 s + j` (j < 32) is bits `2s, 2s + 1` of byte `32 h + j`."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # [4, 1]
+    runs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((runs >> shifts) & 3).reshape(*qs.shape[:-1], 256)
+
+
+#: IQ4_NL's and IQ4_XS's sixteen values (`gguf.quants.IQ4_NL.kvalues`), as W8G32 stored
+#: values (`value + 128`): a nibble indexes them.
+_IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+_IQ4_STORED = torch.tensor([v + 128 for v in _IQ4_VALUES], dtype=torch.uint8)
+
+
+def _iq4_codes(qs: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL's 16 code bytes a block (nibbles in Q4_0's order) -> W8G32 stored values: the
+    value each nibble names, itself an 8-bit code."""
+    nibbles = torch.cat((qs & 15, qs >> 4), dim=-1)
+    return _IQ4_STORED[nibbles.long()]
+
+
+def _iq4_xs(blocks: torch.Tensor) -> _Converted:
+    """IQ4_XS super-blocks [r, g, 136] (fp16 d, 2 bytes of high scale bits, 4 of low
+    ones, 128 code bytes: IQ4_NL's 16 a sub-block of 32) -> W8G32 stored values, and per
+    32 weights the scale `d * (sc - 32)` in fp32 (exact). Sub-block `k`'s 6-bit `sc`:
+    nibble `k % 2` of byte `k // 2` of the low bytes, bits `2k, 2k + 1` of the
+    little-endian 16-bit high field above them."""
+    lead = blocks.shape[:-1]
+    codes = _iq4_codes(blocks[..., 8:136].reshape(*lead, 8, 16)).reshape(*lead, 256)
+    low_bytes = blocks[..., 4:8]
+    low = torch.stack((low_bytes & 15, low_bytes >> 4), dim=-1).reshape(*lead, 8)
+    high_field = blocks[..., 2].to(torch.int32) | (blocks[..., 3].to(torch.int32) << 8)
+    shifts = 2 * torch.arange(8, dtype=torch.int32)
+    high = (high_field[..., None] >> shifts) & 3
+    sc = (low.to(torch.int32) | (high << 4)).to(torch.float32) - 32
+    return codes, (_fp16(blocks, 0) * sc,)
+
+
+_K_CONVERTERS = {
+    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k,
+    "IQ4_XS": _iq4_xs,
+}  # fmt: skip
 
 
 def _fp16_fields(values: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -326,4 +408,5 @@ _CODES = {
     "Q8_0": _q8_codes,
     "Q5_0": _q5_0_codes,
     "Q5_1": _q5_values,
+    "IQ4_NL": _iq4_codes,
 }
