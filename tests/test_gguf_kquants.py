@@ -1,6 +1,7 @@
 """ggml types kept in codes of ours that are not their own layout: Q4_K as Q4G32M, Q6_K as
-W8G16, Q5_0 as W8G32 (the types of llama.cpp's Q4_K_M files); Q3_K as W8G16, Q2_K as
-W8G16M, IQ4_NL and IQ4_XS as W8G32 (their values are 8-bit codes).
+W8G16, Q5_0 as W8G32 (the types of llama.cpp's Q4_K_M files); Q3_K as Q3G16, Q2_K as
+Q2G16M (their own codes, on the 4-bit GEMV), IQ4_NL and IQ4_XS as W8G32 (their values
+are 8-bit codes).
 
 The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Q5_0's values equal it
 bit for bit, and so do IQ4_NL's; the K-quants' (IQ4_XS among them) to within one fp16
@@ -97,7 +98,7 @@ def test_which_types_are_kept():
     assert kept_format("Q4_K") == "Q4G32M" and kept_format("Q6_K") == "W8G16"
     assert kept_format("Q5_K") == "W8G32M" and kept_format("Q5_1") == "W8G32M"
     assert kept_format("Q5_0") == "W8G32"
-    assert kept_format("Q3_K") == "W8G16" and kept_format("Q2_K") == "W8G16M"
+    assert kept_format("Q3_K") == "Q3G16" and kept_format("Q2_K") == "Q2G16M"
     assert kept_format("IQ4_NL") == "W8G32" and kept_format("IQ4_XS") == "W8G32"
     assert kept_format("IQ2_XXS") is None and kept_format("F16") is None
     assert {fmt for fmt, _ in K_FORMATS.values()} <= set(FORMATS)
@@ -214,7 +215,7 @@ def test_gemv_over_kept_codes_against_float64(type_name):
     w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
     qt = from_ggml_blocks(type_name, ENCODERS[type_name](w), (rows, cols))
     layer = cpu_gemv.codes_linear(qt)
-    want = cpu_gemv.Q4GemvLinear if type_name == "Q4_K" else cpu_gemv.Q8GemvLinear
+    want = cpu_gemv.Q4GemvLinear if qt.fmt.bits <= 4 else cpu_gemv.Q8GemvLinear
     assert isinstance(layer, want)
     # the prefill path's rows are the codes' exact values
     assert torch.equal(layer.weight_rows(0, rows, torch.float32), qt.dequantize(torch.float32))
@@ -240,12 +241,23 @@ def test_w8g16_of_any_width(cols):
 
 
 @needs_gemv
-def test_the_operator_refuses_a_scale_per_16_for_4_bit_codes():
-    codes = torch.zeros(2, 32, dtype=torch.uint8)  # 64 columns of 4-bit codes
-    with pytest.raises(RuntimeError, match="group of 32"):
-        torch.ops.ninfer_cpu.gemv_q4(
-            torch.zeros(1, 64, dtype=torch.bfloat16), codes, torch.ones(2, 4).half(), None
-        )
+def test_a_scale_per_16_on_4_bit_codes():
+    """4-bit codes with a scale (and min) per 16 columns: against the same sums with the
+    halves' scales applied in float64 (only x's two-plane rounding differs)."""
+    g = torch.Generator().manual_seed(8)
+    rows, cols = 12, 32 * 19  # a whole step of 16 blocks and a tail of 3
+    codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(rows, cols // 16, generator=g) * 0.02).half()
+    mins = (torch.randn(rows, cols // 16, generator=g) * 0.05).half()
+    x = torch.randn(2, cols, generator=g).bfloat16()
+    # the operator's byte layout: blocks interleaved 16 at a time, nibbles j and j + 16
+    blocks = cpu_gemv._block_bytes(codes)  # [rows, blocks, 16]
+    u = torch.cat((blocks & 15, blocks >> 4), dim=2).reshape(rows, cols).double()
+    for m in (None, mins):
+        d = scales.double().repeat_interleave(16, 1)
+        w = u * d + (-8 * d if m is None else m.double().repeat_interleave(16, 1))
+        got = torch.ops.ninfer_cpu.gemv_q4(x, codes, scales, m)
+        assert rel_rms(got, x.double() @ w.T) < 4e-3
 
 
 # --------------------------------------------------------------------------
@@ -336,16 +348,16 @@ def test_k_quant_matrices_load_kept(path):
         weight = art.load_weight(name)
         kept += 1
         assert isinstance(weight, QuantizedTensor), name
-        held = "W8G16M" if name in MIXED_GROUP else ("Q4G32M", "W8G16", "W8G32", "W8G16M")
+        held = "W8G16M" if name in MIXED_GROUP else ("Q4G32M", "W8G16", "W8G32", "Q3G16", "Q2G16M")
         assert weight.fmt.name == art.tensor_format(name) in held, name
         dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
         err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
         assert err < 2 * FP16_HALF_ULP, (name, err)
     assert kept == len(TYPES)
-    # the 2- and 3-bit K-quants and IQ4_XS in 8-bit codes of their own values
-    assert art.tensor_format(L2 + "self_attn.q_proj.weight") == "W8G16"
+    # the 2- and 3-bit K-quants in their own codes, IQ4_XS in 8-bit codes of its values
+    assert art.tensor_format(L2 + "self_attn.q_proj.weight") == "Q3G16"
     assert art.tensor_format(L2 + "self_attn.o_proj.weight") == "W8G32"
-    assert art.tensor_format(L2 + "mlp.up_proj.weight") == "W8G16M"
+    assert art.tensor_format(L2 + "mlp.up_proj.weight") == "Q2G16M"
 
 
 def test_fp32_logits_are_transformers(path):
@@ -371,7 +383,8 @@ def test_bf16_runs_the_kept_codes(path):
         assert isinstance(model.layers[0].mlp.gate_up_proj, cpu_gemv.Q4GemvLinear)
         assert isinstance(model.packed_head, cpu_gemv.Q8GemvLinear)
         for proj in (model.layers[2].self_attn.qkv_proj, model.layers[2].mlp.gate_up_proj):
-            assert isinstance(proj, cpu_gemv.Q8GemvLinear)
+            assert isinstance(proj, cpu_gemv.Q4GemvLinear)  # Q3_K's and Q2_K's codes
+        assert isinstance(model.layers[2].self_attn.o_proj, cpu_gemv.Q8GemvLinear)  # IQ4_XS
     got, want = _logits(loaded), _logits(_load(path, "fp32", dense=True))
     rel = ((got - want).norm() / want.norm()).item()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()

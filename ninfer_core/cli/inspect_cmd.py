@@ -14,7 +14,7 @@ from typing import Any
 
 from ninfer_core.artifact.layout import Header
 from ninfer_core.quant.formats import FORMATS
-from ninfer_core.quant.ggml import GGML_FORMATS
+from ninfer_core.quant.ggml import GGML_FORMATS, K_FORMATS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def _format_description(name: str) -> str:
     if not fmt.quantized:
         return f"dense {name}"
     per_group = "fp16 scale and min" if fmt.mins else "fp16 scale"
-    ggml = [t for t, spec in GGML_FORMATS.items() if spec[0] == name]
+    ggml = [t for t, spec in (*GGML_FORMATS.items(), *K_FORMATS.items()) if spec[0] == name]
     also = f" (ggml {ggml[0]})" if ggml else ""
     return f"{fmt.bits}-bit codes, {per_group} per {fmt.group}{also}"
 

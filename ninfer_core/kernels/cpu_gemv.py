@@ -155,14 +155,12 @@ def _register_fake() -> None:
         return q.new_empty(q.shape)  # in q's dtype
 
 
-def _group_supported(group: int, bits: int) -> bool:
+def _group_supported(group: int) -> bool:
     """Whether the operators take this group width: 1-16 whole blocks of 32 columns that
     tile a step of 16 blocks (32, 64, 128, 256 or 512 columns), a group's one scale
-    spread over its blocks in registers; and for codes on the 8-bit GEMV 16 columns
-    (ggml's Q6_K sub-blocks), two scales a block."""
-    if bits != 4 and group == 16:
-        return True
-    return group % 32 == 0 and 16 % (group // 32) == 0
+    spread over its blocks in registers; or 16 columns (ggml's Q2_K, Q3_K and Q6_K
+    sub-blocks), two scales a block."""
+    return group == 16 or (group % 32 == 0 and 16 % (group // 32) == 0)
 
 
 def _per_span(values: torch.Tensor, padded_in: int, span: int) -> torch.Tensor:
@@ -177,12 +175,12 @@ def codes_supported(
     fmt: WeightFormat, device: torch.device | str, dtype: torch.dtype | None
 ) -> bool:
     """Whether `codes_linear` runs weights of `fmt` for `dtype` activations on `device`:
-    4-, 5-, 6- or 8-bit codes in groups the operators take (`_group_supported`), bf16 on
+    2- to 6- or 8-bit codes in groups the operators take (`_group_supported`), bf16 on
     the CPU, the GEMVs built."""
     return (
         fmt.quantized
-        and fmt.bits in (4, 5, 6, 8)
-        and _group_supported(fmt.group, fmt.bits)
+        and fmt.bits in (2, 3, 4, 5, 6, 8)
+        and _group_supported(fmt.group)
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and available()
@@ -190,15 +188,16 @@ def codes_supported(
 
 
 def codes_linear(w: QuantizedTensor) -> Q4GemvLinear | Q8GemvLinear:
-    """The GEMV layer of a `codes_supported` weight."""
-    return Q4GemvLinear(w) if w.fmt.bits == 4 else Q8GemvLinear(w)
+    """The GEMV layer of a `codes_supported` weight: codes of up to 4 bits on the 4-bit
+    GEMV, wider ones on the 8-bit."""
+    return Q4GemvLinear(w) if w.fmt.bits <= 4 else Q8GemvLinear(w)
 
 
 def codes_linear_nbytes(fmt: WeightFormat, shape: tuple[int, int]) -> int | None:
-    """Bytes `codes_linear` holds beyond the loaded weight, from the shape alone: a 4-bit
-    layer's re-laid copy, a 5- or 6-bit one's codes widened to 8 bits; None for 8 bits,
-    which holds the loaded codes and scales."""
-    if fmt.bits == 4:
+    """Bytes `codes_linear` holds beyond the loaded weight, from the shape alone: a 2- to
+    4-bit layer's re-laid copy in nibbles, a 5- or 6-bit one's codes widened to 8 bits;
+    None for 8 bits, which holds the loaded codes and scales."""
+    if fmt.bits <= 4:
         return Q4GemvLinear.nbytes_for(fmt, shape)
     return None if fmt.bits == 8 else Q8GemvLinear.nbytes_for(fmt, shape)
 
@@ -257,12 +256,11 @@ class _CodesGemvLinear(PackedLinear):
 
     def __init__(self, w: QuantizedTensor) -> None:
         _require()
-        if w.fmt.bits not in self.TAKES or not _group_supported(w.fmt.group, self.BITS):
-            also = " (or 16)" if self.BITS == 8 else ""
+        if w.fmt.bits not in self.TAKES or not _group_supported(w.fmt.group):
             widths = "-, ".join(str(b) for b in self.TAKES)
             raise ValueError(
-                f"{type(self).__name__} takes {widths}-bit codes in groups of 32, 64, "
-                f"128, 256 or 512 columns{also}, not {w.fmt.name}"
+                f"{type(self).__name__} takes {widths}-bit codes in groups of 16, 32, 64, "
+                f"128, 256 or 512 columns, not {w.fmt.name}"
             )
         self.out_features, self.in_features = w.shape
         self.padded_in = w.padded_cols
@@ -344,28 +342,37 @@ class Q4GemvLinear(_CodesGemvLinear):
     weight; and a copy of the fp16 scales (and mins), one per group: the operator spreads
     a group's scale over its blocks of 32 in registers, so a group of 64 costs 4.25 bits a
     weight, not the 4.5 of its scale repeated per block.
+
+    2- and 3-bit codes (Q2G16M, Q3G16: ggml's Q2_K and Q3_K, a scale per 16 columns) are
+    held as nibbles, 5 or 6 bits a weight with the scales: their stored values where the
+    format has mins (`w = u * d + m`), `code + 8` where it is symmetric (`w = (u - 8) d`).
     """
 
     BITS = 4
-    TAKES = (4,)
+    TAKES = (2, 3, 4)
     #: Rows converted at a time at load (bounds the int8 codes in flight).
     CHUNK_ROWS = 4096
 
     def __init__(self, w: QuantizedTensor) -> None:
         super().__init__(w)
+        # A scale per 16 over an odd number of 16s: one zero sub-block more (x is 0 there).
+        extra = self.padded_in % 32
+        self.padded_in += extra
         rows, blocks = self.out_features, self.padded_in // 32
+        offset = -w.fmt.qmin if w.fmt.mins else 8  # code -> the nibble the operator reads
         self.codes = torch.empty(rows, self.padded_in // 2, dtype=torch.uint8)
         for start in range(0, rows, self.CHUNK_ROWS):
             part = w.narrow_rows(start, min(self.CHUNK_ROWS, rows - start))
-            u = (part.codes() + 8).to(torch.uint8).view(-1, blocks, 2, 16)  # 0..15
+            c = F.pad(part.codes(), (0, extra))
+            u = (c + offset).to(torch.uint8).view(-1, blocks, 2, 16)  # 0..15
             self.codes[start : start + u.shape[0]] = _interleave_blocks(
                 u[:, :, 0] | (u[:, :, 1] << 4)
             )
         # Copies, not views of the loaded tensors: a tied head's layer then holds what
         # `nbytes_for` says beside the embedding table, which keeps its own (the planner
         # counts both).
-        self.scales = w.scales.clone(memory_format=torch.contiguous_format)
-        self.mins = None if w.mins is None else w.mins.clone(memory_format=torch.contiguous_format)
+        self.scales = F.pad(w.scales, (0, extra // 16)).contiguous()
+        self.mins = None if w.mins is None else F.pad(w.mins, (0, extra // 16)).contiguous()
 
     @staticmethod
     def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
@@ -373,6 +380,8 @@ class Q4GemvLinear(_CodesGemvLinear):
         rows, cols = int(shape[0]), int(shape[1])
         padded = fmt.padded_cols(cols)
         groups = padded // fmt.group
+        if padded % 32:
+            padded, groups = padded + 16, groups + 1
         return rows * padded // 2 + rows * groups * 2 * (2 if fmt.mins else 1)
 
     @property
@@ -385,10 +394,11 @@ class Q4GemvLinear(_CodesGemvLinear):
         (`m = -8 d` for a symmetric format) in fp32, exact before one rounding, as
         `QuantizedTensor.dequantize` computes them."""
         c = _block_bytes(self.codes[start : start + n])
-        u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32)  # [n, blocks, 32]
+        span = min(32, self.padded_in // self.scales.shape[1])  # 16 with a scale per 16
+        u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32).view(n, -1, span)
         rows = slice(start, start + n)
-        d = _per_span(self.scales[rows], self.padded_in, 32)
-        m = -8 * d if self.mins is None else _per_span(self.mins[rows], self.padded_in, 32)
+        d = _per_span(self.scales[rows], self.padded_in, span)
+        m = -8 * d if self.mins is None else _per_span(self.mins[rows], self.padded_in, span)
         return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:

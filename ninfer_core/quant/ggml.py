@@ -43,14 +43,14 @@ and small integer scales per sub-block:
 | Q4_K      | 144   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..15  | Q4G32M     |
 | Q5_K      | 176   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..31  | W8G32M     |
 | Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | W8G16      |
-| Q3_K      | 110   | 16 of 16   | `(u - 4) * (d * (sc[j] - 32))`   | 0..7   | W8G16      |
-| Q2_K      | 84    | 16 of 16   | `u * (d * sc[j]) - dmin * mn[j]` | 0..3   | W8G16M     |
+| Q3_K      | 110   | 16 of 16   | `(u - 4) * (d * (sc[j] - 32))`   | 0..7   | Q3G16      |
+| Q2_K      | 84    | 16 of 16   | `u * (d * sc[j]) - dmin * mn[j]` | 0..3   | Q2G16M     |
 | IQ4_XS    | 136   | 8 of 32    | `v[u] * (d * (sc[j] - 32))`      | 0..15  | W8G32      |
 
 (Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8, Q3_K's and IQ4_XS's `sc`
 6-bit, Q2_K's `sc` and `mn` 4-bit; IQ4_XS's `v` is IQ4_NL's code book.)
 
-The codes are kept as they are (all but Q4_K's widen to our 8-bit ones). The
+The codes are kept as they are (Q5_K's, Q6_K's and IQ4_XS's widen to our 8-bit ones). The
 sub-block products `d * sc[j]` and `dmin * mn[j]` are exact in fp32; ours are fp16, so
 each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's own
 Q8_0 scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized
@@ -88,8 +88,8 @@ K_FORMATS: dict[str, tuple[str, int]] = {
     "Q4_K": ("Q4G32M", 144),
     "Q6_K": ("W8G16", 210),
     "Q5_K": ("W8G32M", 176),
-    "Q3_K": ("W8G16", 110),
-    "Q2_K": ("W8G16M", 84),
+    "Q3_K": ("Q3G16", 110),
+    "Q2_K": ("Q2G16M", 84),
     "IQ4_XS": ("W8G32", 136),
 }
 #: Weights per ggml block, and per K-quant super-block.
@@ -253,8 +253,8 @@ def _q6_k(blocks: torch.Tensor) -> _Converted:
 
 def _q3_k(blocks: torch.Tensor) -> _Converted:
     """Q3_K super-blocks [r, g, 110] (32 bytes of high bits, 64 of 2-bit pairs, 12 of
-    6-bit scales, fp16 d) -> W8G16 codes (`q - 4`, stored offset-binary), and per 16
-    weights the scale `d * (sc - 32)` in fp32 (exact).
+    6-bit scales, fp16 d) -> Q3G16 codes (`q - 4`), and per 16 weights the scale
+    `d * (sc - 32)` in fp32 (exact).
 
     Weight `i = 32 b + j` (j < 32) takes its third bit from bit `b` of high byte `j`; a
     set bit adds 4, so `q = pair + 4 hbit` runs 0..7 and the code is `q - 4`
@@ -268,16 +268,17 @@ def _q3_k(blocks: torch.Tensor) -> _Converted:
     low = torch.cat((packed[..., 0:8] & 15, packed[..., 0:8] >> 4), dim=-1)  # [r, g, 16]
     top = torch.cat([(packed[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
     sc = (low | (top << 4)).to(torch.float32) - 32
-    return q + 124, (_fp16(blocks, 108) * sc,)  # stored q - 4 + 128
+    return pack_codes(q.reshape(-1, 256).to(torch.int16) - 4, 3), (_fp16(blocks, 108) * sc,)
 
 
 def _q2_k(blocks: torch.Tensor) -> _Converted:
     """Q2_K super-blocks [r, g, 84] (16 bytes of 4-bit scale and min pairs, 64 of 2-bit
-    codes, fp16 d and dmin) -> W8G16M stored values `u` (0..3), and per 16 weights the
+    codes, fp16 d and dmin) -> Q2G16M stored values `u` (0..3), and per 16 weights the
     scale `d * (s & 15)` and min `-dmin * (s >> 4)` in fp32 (exact)."""
     packed = blocks[..., 0:16]
     sc, mn = (packed & 15).to(torch.float32), (packed >> 4).to(torch.float32)
-    return _k_pairs(blocks[..., 16:80]), (_fp16(blocks, 80) * sc, -_fp16(blocks, 82) * mn)
+    codes = pack_codes(_k_pairs(blocks[..., 16:80]).reshape(-1, 256).to(torch.int16) - 2, 2)
+    return codes, (_fp16(blocks, 80) * sc, -_fp16(blocks, 82) * mn)
 
 
 def _k_pairs(qs: torch.Tensor) -> torch.Tensor:

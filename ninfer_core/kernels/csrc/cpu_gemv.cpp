@@ -121,8 +121,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // ------------------------------------------------------- 4- and 8-bit weights
 //
 // `gemv_q4`: weights of 4-bit codes u (0..15) in blocks of 32 columns, w = d * u + m with
-// an fp16 scale d and min m per group of 1-16 blocks (a symmetric format passes no mins:
-// m = -8 d).
+// an fp16 scale d and min m per group of 1-16 blocks or per 16 columns (a symmetric
+// format passes no mins: m = -8 d).
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
 // Q4_0/Q4_1 do, and a row's blocks are interleaved 16 at a time, four bytes of each
 // block in turn (`dot_q4`). `gemv_q8`: 8-bit codes stored u = code + 128,
@@ -158,7 +158,7 @@ using Plane = std::vector<int8_t, Aligned64<int8_t>>;
 // layout: per step of 16 blocks, 256 bytes of the blocks' columns 0..15 (`lo`) and 256
 // of columns 16..31 (`hi`), interleaved as the codes are. 8-bit layout: `xq`, the
 // columns in order. Per block the scale `dx` and `sx`, the quantized values' sum times dx
-// (the offset term of a min), and for the 8-bit layout `sx16`, the same per 16 columns.
+// (the offset term of a min), and `sx16`, the same per 16 columns.
 // `sym` (8-bit), per 32-bit lane of a chunk, -128 times the joined sum of the x that
 // lane multiplies (256 q + r): added to the joined sums, so a code's offset never needs
 // subtracting. Rows are padded with zeros to whole groups of 16 blocks.
@@ -167,7 +167,7 @@ struct QuantX {
   Plane lo, hi, xq;      // x / dx rounded
   Plane lo2, hi2, xq2;   // what that rounding left, times kFine, rounded
   std::vector<float> dx, sx;
-  std::vector<float> sx16;  // 8-bit layout: sx per 16 columns (a min per 16 multiplies it)
+  std::vector<float> sx16;  // sx per 16 columns (a min per 16 multiplies it)
   std::vector<int32_t> sym;
 };
 
@@ -204,7 +204,7 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
   for (auto* v : {&q.xq, &q.xq2}) v->assign(bits == 8 ? M * blocks * 32 : 0, 0);
   q.dx.assign(M * blocks, 0.f);
   q.sx.assign(M * blocks, 0.f);
-  q.sx16.assign(bits == 8 ? M * blocks * 2 : 0, 0.f);
+  q.sx16.assign(M * blocks * 2, 0.f);
   q.sym.assign(bits == 8 ? M * blocks * 8 : 0, 0);
   const __m512 fine = _mm512_set1_ps(kFine);
   for (int64_t m = 0; m < M; ++m) {
@@ -228,6 +228,10 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
       q.dx[row] = dx;
       q.sx[row] = dx * (float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1))) +
                         float(_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1))) / kFine);
+      q.sx16[2 * row] =
+          dx * (float(_mm512_reduce_add_epi32(q0)) + float(_mm512_reduce_add_epi32(r0)) / kFine);
+      q.sx16[2 * row + 1] =
+          dx * (float(_mm512_reduce_add_epi32(q1)) + float(_mm512_reduce_add_epi32(r1)) / kFine);
       if (bits == 4) {
         // Columns 0..15 to `lo`, 16..31 to `hi`, laid out as the codes: in a whole step
         // of 16 blocks, lane l = b % 16 of chunk c takes columns 4c..4c+3 of each half;
@@ -254,10 +258,6 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int bits, QuantX& q) {
         _mm_storeu_si128((__m128i*)xq2, _mm512_cvtsepi32_epi8(r0));
         _mm_storeu_si128((__m128i*)(xq2 + 16), _mm512_cvtsepi32_epi8(r1));
         lane_sums(xq, xq2, q.sym.data() + row * 8);
-        q.sx16[2 * row] = dx * (float(_mm512_reduce_add_epi32(q0)) +
-                                float(_mm512_reduce_add_epi32(r0)) / kFine);
-        q.sx16[2 * row + 1] = dx * (float(_mm512_reduce_add_epi32(q1)) +
-                                    float(_mm512_reduce_add_epi32(r1)) / kFine);
       }
     }
   }
@@ -283,12 +283,32 @@ inline __m512 block_values(const uint16_t* d, int64_t b, int64_t left, int gshif
   return gshift == 0 ? v : _mm512_permutexvar_ps(expand, v);
 }
 
+// Values per 16 columns (scales, mins, x's sums) of blocks b .. b + 15 of a row, two a
+// block, as two vectors of 16: each block's first half (`lo`, its low nibbles) and its
+// second (`hi`).
+inline void split_halves(__m512 v0, __m512 v1, __m512& lo, __m512& hi) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  lo = _mm512_permutex2var_ps(v0, even, v1);
+  hi = _mm512_permutex2var_ps(v0, odd, v1);
+}
+
+// A row's fp16 values per 16 columns of its blocks b .. b + left - 1 (`split_halves`).
+inline void half_values(const uint16_t* d, int64_t b, int64_t left, __m512& lo, __m512& hi) {
+  const __mmask32 m = left >= 16 ? ~0u : (1u << (2 * left)) - 1u;
+  const __m512i raw = _mm512_maskz_loadu_epi16(m, d + 2 * b);
+  split_halves(_mm512_cvtph_ps(_mm512_castsi512_si256(raw)),
+               _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1)), lo, hi);
+}
+
 // The last t < 16 blocks of a 4-bit row, four blocks (16 lanes) a chunk, block j taking
 // lanes 4 (j % 4) .. 4 (j % 4) + 3: each chunk's joined sums scaled by a permute of the
-// blocks' scales (`quads`) into `acc`.
+// blocks' scales (`quads`) into `acc`. With a scale per 16 columns (`kPer16`), the low
+// nibbles' sums take `scale` and the high ones' `scale_hi`.
+template <bool kPer16>
 inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const int8_t* xhi,
-                      const int8_t* xlo2, const int8_t* xhi2, __m512 scale, const __m512i* quads,
-                      __m512 acc) {
+                      const int8_t* xlo2, const int8_t* xhi2, __m512 scale, __m512 scale_hi,
+                      const __m512i* quads, __m512 acc) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
   for (int c = 0; 4 * c < t; ++c) {
     const int64_t blocks = std::min<int64_t>(4, t - 4 * c);
@@ -297,6 +317,15 @@ inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const 
     const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
     const __m512i lo = _mm512_and_si512(v, nib);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if constexpr (kPer16) {
+      __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xlo + at));
+      __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xhi + at));
+      slo = _mm512_dpbusd_epi32(_mm512_slli_epi32(slo, kFineShift), lo, _mm512_loadu_si512(xlo2 + at));
+      shi = _mm512_dpbusd_epi32(_mm512_slli_epi32(shi, kFineShift), hi, _mm512_loadu_si512(xhi2 + at));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(slo), _mm512_permutexvar_ps(quads[c], scale), acc);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), _mm512_permutexvar_ps(quads[c], scale_hi), acc);
+      continue;
+    }
     __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xlo + at));
     isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(xhi + at));
     isum = _mm512_slli_epi32(isum, kFineShift);
@@ -316,7 +345,11 @@ inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const 
 // blocks left at a row's end (SmolLM2's 576 columns: 18 blocks) keep that layout, a
 // block's 16 bytes in order and four blocks a chunk (`tail_q4`): interleaved, they would
 // take four chunks' multiplies for one chunk's codes.
-template <bool kMins>
+//
+// With a scale (and min) per 16 columns (`kPer16`: ggml's Q3_K and Q2_K), a block's low
+// nibbles are its first 16 columns and its high ones the other 16, so the low and high
+// sums stay apart (each below 2^24 too) and take their own scale.
+template <bool kMins, bool kPer16>
 inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
                     int gshift, __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
@@ -326,17 +359,35 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   const int8_t* xhi2 = q.hi2.data() + m * q.blocks * 16;
   const float* dx = q.dx.data() + m * q.blocks;
   const float* sx = q.sx.data() + m * q.blocks;
+  const float* sx16 = q.sx16.data() + m * q.blocks * 2;
   const __m512 unfine = _mm512_set1_ps(1.f / kFine), off = _mm512_set1_ps(-8.f);
   __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
-    const __m512 dw = block_values(d, b, left, gshift, expand);
-    const __m512 scale = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_loadu_ps(dx + b)), unfine);
-    const __m512 mterm = kMins ? block_values(mn, b, left, gshift, expand) : _mm512_mul_ps(dw, off);
-    macc = _mm512_fmadd_ps(mterm, _mm512_loadu_ps(sx + b), macc);
+    const __m512 dxs = _mm512_mul_ps(_mm512_loadu_ps(dx + b), unfine);
+    __m512 scale, scale_hi = _mm512_setzero_ps();
+    if constexpr (kPer16) {
+      // x rows are padded to 16 blocks: sx16[2b .. 2b + 31] exist.
+      __m512 dlo, dhi, mlo, mhi, xlo16, xhi16;
+      half_values(d, b, left, dlo, dhi);
+      if (kMins) {
+        half_values(mn, b, left, mlo, mhi);
+      } else {
+        mlo = _mm512_mul_ps(dlo, off), mhi = _mm512_mul_ps(dhi, off);
+      }
+      split_halves(_mm512_loadu_ps(sx16 + 2 * b), _mm512_loadu_ps(sx16 + 2 * b + 16), xlo16, xhi16);
+      macc = _mm512_fmadd_ps(mhi, xhi16, _mm512_fmadd_ps(mlo, xlo16, macc));
+      scale = _mm512_mul_ps(dlo, dxs), scale_hi = _mm512_mul_ps(dhi, dxs);
+    } else {
+      const __m512 dw = block_values(d, b, left, gshift, expand);
+      scale = _mm512_mul_ps(dw, dxs);
+      const __m512 mterm = kMins ? block_values(mn, b, left, gshift, expand) : _mm512_mul_ps(dw, off);
+      macc = _mm512_fmadd_ps(mterm, _mm512_loadu_ps(sx + b), macc);
+    }
     const int64_t at = b * 16;  // codes and x's planes: 256 bytes a step of 16 blocks
     if (left < 16) {
-      acc = tail_q4(codes + at, left, xlo + at, xhi + at, xlo2 + at, xhi2 + at, scale, quads, acc);
+      acc = tail_q4<kPer16>(codes + at, left, xlo + at, xhi + at, xlo2 + at, xhi2 + at, scale,
+                            scale_hi, quads, acc);
       break;
     }
     // Four sums, two chains of dependent `vpdpbusd` each: a plane of x by half the codes.
@@ -354,6 +405,13 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
     }
     // 256 q + r per block: at most 256 * 32 * 15 * 127 + 32 * 15 * 127 < 2^24, so the
     // conversion to fp32 is exact.
+    if constexpr (kPer16) {
+      const __m512i slo = _mm512_add_epi32(_mm512_slli_epi32(q0, kFineShift), r0);
+      const __m512i shi = _mm512_add_epi32(_mm512_slli_epi32(q1, kFineShift), r1);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), scale_hi,
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(slo), scale, acc));
+      continue;
+    }
     const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(q0, q1), kFineShift),
                                           _mm512_add_epi32(r0, r1));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
@@ -449,11 +507,11 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
               ": x [M, K], codes [N, K * bits / 8], scales [N, K / group]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
   const int64_t groups = scales.size(1), gb = groups > 0 && nb % groups == 0 ? nb / groups : 0;
-  const bool per16 = bits == 8 && nb > 0 && groups == 2 * nb;  // a scale per 16 columns
+  const bool per16 = nb > 0 && groups == 2 * nb;  // a scale per 16 columns
   TORCH_CHECK(K % 32 == 0 && codes.size(1) * 8 == K * bits && scales.size(0) == N &&
                   ((gb > 0 && 16 % gb == 0) || per16),
               name, ": x [M, K] with K a multiple of 32, codes [N, K * bits / 8], scales [N, K / group] ",
-              "with a group of 32, 64, 128, 256 or 512 columns (8-bit codes: 16 too)");
+              "with a group of 16, 32, 64, 128, 256 or 512 columns");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && codes.scalar_type() == at::kByte &&
                   scales.scalar_type() == at::kHalf,
               name, ": bf16 x, uint8 codes, fp16 scales");
@@ -493,7 +551,15 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   };
   using Row = const uint8_t*;
   using Values = const uint16_t*;
-  if (per16 && mp)
+  if (per16 && bits == 4 && mp)
+    rows([&](Row c, Values d, Values mn, int64_t m) {
+      return dot_q4<true, true>(c, d, mn, nb, g, expand, qx, m, quads);
+    });
+  else if (per16 && bits == 4)
+    rows([&](Row c, Values d, Values, int64_t m) {
+      return dot_q4<false, true>(c, d, nullptr, nb, g, expand, qx, m, quads);
+    });
+  else if (per16 && mp)
     rows([&](Row c, Values d, Values mn, int64_t m) {
       return dot_q8_16<true>(c, d, mn, nb, qx, m, quads, pairs);
     });
@@ -511,11 +577,11 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
     });
   else if (mp)
     rows([&](Row c, Values d, Values mn, int64_t m) {
-      return dot_q4<true>(c, d, mn, nb, g, expand, qx, m, quads);
+      return dot_q4<true, false>(c, d, mn, nb, g, expand, qx, m, quads);
     });
   else
     rows([&](Row c, Values d, Values, int64_t m) {
-      return dot_q4<false>(c, d, nullptr, nb, g, expand, qx, m, quads);
+      return dot_q4<false, false>(c, d, nullptr, nb, g, expand, qx, m, quads);
     });
   return y;
 }
