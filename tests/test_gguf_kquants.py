@@ -266,8 +266,8 @@ def test_a_scale_per_16_on_4_bit_codes():
 
 #: Layer 0 uniform per fused group (kept); layer 1's q|k|v mixes Q4_K and Q6_K, as
 #: llama.cpp's Q4_K_M does in some layers (that group is held as W8G16M, the same values),
-#: and its o is Q5_0; layer 2 has the types of Q2_K and Q3_K_M files and IQ4_XS. Untied
-#: Q6_K head.
+#: and its o is Q5_0; layer 2 has the types of Q2_K and Q3_K_M files (q and k Q3_K beside
+#: a Q4_K v: held as Q4G16M) and IQ4_XS. Untied Q6_K head.
 TYPES = {
     "token_embd.weight": "Q4_K",
     "blk.0.attn_q.weight": "Q4_K",
@@ -286,7 +286,7 @@ TYPES = {
     "blk.1.ffn_down.weight": "Q6_K",
     "blk.2.attn_q.weight": "Q3_K",
     "blk.2.attn_k.weight": "Q3_K",
-    "blk.2.attn_v.weight": "Q3_K",
+    "blk.2.attn_v.weight": "Q4_K",
     "blk.2.attn_output.weight": "IQ4_XS",
     "blk.2.ffn_gate.weight": "Q2_K",
     "blk.2.ffn_up.weight": "Q2_K",
@@ -295,6 +295,7 @@ TYPES = {
 }
 L0, L1, L2 = "model.layers.0.", "model.layers.1.", "model.layers.2."
 MIXED_GROUP = {L1 + f"self_attn.{p}_proj.weight" for p in "qkv"}
+MIXED_NIBBLES = {L2 + f"self_attn.{p}_proj.weight" for p in "qkv"}
 IDS = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(6)).tolist()
 
 
@@ -348,14 +349,16 @@ def test_k_quant_matrices_load_kept(path):
         weight = art.load_weight(name)
         kept += 1
         assert isinstance(weight, QuantizedTensor), name
-        held = "W8G16M" if name in MIXED_GROUP else ("Q4G32M", "W8G16", "W8G32", "Q3G16", "Q2G16M")
+        held = ("Q4G32M", "W8G16", "W8G32", "Q3G16", "Q2G16M")
+        held = "W8G16M" if name in MIXED_GROUP else "Q4G16M" if name in MIXED_NIBBLES else held
         assert weight.fmt.name == art.tensor_format(name) in held, name
         dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
         err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
         assert err < 2 * FP16_HALF_ULP, (name, err)
     assert kept == len(TYPES)
     # the 2- and 3-bit K-quants in their own codes, IQ4_XS in 8-bit codes of its values
-    assert art.tensor_format(L2 + "self_attn.q_proj.weight") == "Q3G16"
+    assert art.tensor_format(L2 + "self_attn.q_proj.weight") == "Q4G16M"
+    assert art.tensor_format(L2 + "mlp.down_proj.weight") == "Q3G16"
     assert art.tensor_format(L2 + "self_attn.o_proj.weight") == "W8G32"
     assert art.tensor_format(L2 + "mlp.up_proj.weight") == "Q2G16M"
 
@@ -383,7 +386,7 @@ def test_bf16_runs_the_kept_codes(path):
         assert isinstance(model.layers[0].mlp.gate_up_proj, cpu_gemv.Q4GemvLinear)
         assert isinstance(model.packed_head, cpu_gemv.Q8GemvLinear)
         for proj in (model.layers[2].self_attn.qkv_proj, model.layers[2].mlp.gate_up_proj):
-            assert isinstance(proj, cpu_gemv.Q4GemvLinear)  # Q3_K's and Q2_K's codes
+            assert isinstance(proj, cpu_gemv.Q4GemvLinear)  # Q3_K|Q4_K's and Q2_K's codes
         assert isinstance(model.layers[2].self_attn.o_proj, cpu_gemv.Q8GemvLinear)  # IQ4_XS
     got, want = _logits(loaded), _logits(_load(path, "fp32", dense=True))
     rel = ((got - want).norm() / want.norm()).item()

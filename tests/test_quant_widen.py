@@ -26,6 +26,10 @@ def _fmt(*names: str):
         (("Q4G32", "W8G32"), "W8G32"),  # Q4_0 q, k beside a Q8_0 v
         (("Q4G32M", "W8G32"), "W8G32M"),  # Q4_1 gate beside a Q5_0 up
         (("Q4G32M", "W8G16"), "W8G16M"),  # Q4_K q, k beside a Q6_K v (Q4_K_M)
+        (("Q3G16", "Q4G32M"), "Q4G16M"),  # Q3_K q, k beside a Q4_K v (Q3_K_M)
+        (("Q2G16M", "Q3G16"), "Q4G16M"),  # Q2_K q, k beside a Q3_K v (Q2_K)
+        (("Q3G16", "Q4G32"), "Q4G16"),
+        (("Q3G16", "W8G32"), "W8G16"),  # beside an 8-bit part: 8-bit codes
         (("Q6G64", "Q4G64"), None),  # no 8-bit format of groups of 64
         (("Q4G32", "fp16"), None),  # a dense part
     ],
@@ -47,6 +51,12 @@ def test_the_common_format(parts, held):
         ("W8G32", "W8G16M"),
         ("W8G16", "W8G16M"),
         ("Q4G64", "W8G16"),
+        ("Q3G16", "Q4G16M"),
+        ("Q2G16M", "Q4G16M"),
+        ("Q4G32M", "Q4G16M"),
+        ("Q3G16", "Q4G16"),
+        ("Q4G32", "Q4G16"),
+        ("Q3G16", "W8G16M"),
     ],
 )
 @pytest.mark.parametrize("cols", [100, 160])  # 100: padding beyond the last group

@@ -11,8 +11,8 @@ minimum too:
 
 so `code + 2^(bits-1)`, the stored value, runs over 0 .. 2^bits - 1 in both. Q4G32 and
 W8G32 are ggml's Q4_0 and Q8_0; Q4G32M is ggml's Q4_1 (and holds its Q4_K); W8G16 holds
-ggml's Q6_K codes, Q3G16 its Q3_K and Q2G16M its Q2_K; W8G32M and W8G16M hold a fused
-group whose parts differ in type (see `ggml.py`).
+ggml's Q6_K codes, Q3G16 its Q3_K and Q2G16M its Q2_K; W8G32M, W8G16M, Q4G16 and Q4G16M
+hold a fused group whose parts differ in type (see `ggml.py` and `widen.py`).
 
 The stored object is the code block, then the scale block, then (asymmetric formats
 only) the min block:
@@ -115,6 +115,8 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("Q4G32M", 4, 32, mins=True),
         WeightFormat("Q3G16", 3, 16),
         WeightFormat("Q2G16M", 2, 16, mins=True),
+        WeightFormat("Q4G16", 4, 16),
+        WeightFormat("Q4G16M", 4, 16, mins=True),
     )
 }
 

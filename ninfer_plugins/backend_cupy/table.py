@@ -37,8 +37,9 @@ LINEAR_FORMATS: dict[str, tuple[int, bool]] = {
 }
 #: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
 #: (`linear.pack_linear`): W8G16, Q3G16 and Q2G16M, a GGUF's Q6_K, Q3_K and Q2_K codes (a
-#: scale per 16 columns), and the 8-bit formats with mins of a GGUF's mixed fused groups.
-DEQUANTIZED_FORMATS = frozenset({"W8G16", "W8G32M", "W8G16M", "Q3G16", "Q2G16M"})
+#: scale per 16 columns), and the formats of a GGUF's mixed fused groups (8-bit with mins,
+#: 4-bit per 16).
+DEQUANTIZED_FORMATS = frozenset({"W8G16", "W8G32M", "W8G16M", "Q3G16", "Q2G16M", "Q4G16", "Q4G16M"})
 #: Dense weights `linear` multiplies as they are (torch.matmul).
 DENSE_FORMATS = frozenset({"fp16", "bf16", "fp32"})
 #: The only op this backend provides.
