@@ -21,15 +21,22 @@ def _safe(x: np.ndarray) -> np.ndarray:
     return np.where(x > 0, x, 1.0)
 
 
+def _symmetric_scales(a: np.ndarray, sub_blocks: int, top: int, steps: int):
+    """A symmetric K-quant's scales by absmax: `a` as [super-blocks, sub_blocks, weights]
+    (float64), the fp16 `d` per super-block, each sub-block's integer scale `s` (0..steps,
+    `d * s` reaching its largest |weight| / top) and the effective scale `d * s`."""
+    x = a.astype(np.float64).reshape(-1, sub_blocks, 256 // sub_blocks)
+    sub = np.abs(x).max(-1) / top
+    d = _f16(sub.max(-1) / steps)
+    s = np.clip(np.rint(sub / _safe(d.astype(np.float64))[:, None]), 0, steps)
+    return x, d, s, d.astype(np.float64)[:, None] * s
+
+
 def encode_q6_k(a: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 210]."""
     rows = a.shape[0]
-    x = a.astype(np.float64).reshape(-1, 16, 16)  # super-blocks, sub-blocks, weights
-    sub = np.abs(x).max(-1) / 31
-    d = _f16(sub.max(-1) / 127)
-    df = d.astype(np.float64)
-    sc = np.clip(np.rint(sub / _safe(df)[:, None]), 0, 127).astype(np.int8)
-    eff = df[:, None] * sc
+    x, d, sc, eff = _symmetric_scales(a, 16, top=31, steps=127)
+    sc = sc.astype(np.int8)
     q = np.clip(np.rint(x / _safe(eff)[..., None]), -32, 31) * (eff[..., None] > 0)
     u = (q + 32).astype(np.uint8).reshape(-1, 256)
     four = u.reshape(-1, 2, 2, 64)  # weight 128 h + 64 s + j
@@ -77,12 +84,7 @@ def _pairs(u: np.ndarray) -> np.ndarray:
 def encode_q3_k(a: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 110]."""
     rows = a.shape[0]
-    x = a.astype(np.float64).reshape(-1, 16, 16)
-    sub = np.abs(x).max(-1) / 4
-    d = _f16(sub.max(-1) / 31)
-    df = d.astype(np.float64)
-    s = np.clip(np.rint(sub / _safe(df)[:, None]), 0, 31)
-    eff = df[:, None] * s
+    x, d, s, eff = _symmetric_scales(a, 16, top=4, steps=31)
     q = np.clip(np.rint(x / _safe(eff)[..., None]), -4, 3) * (eff[..., None] > 0)
     u = (q + 4).astype(np.uint8).reshape(-1, 256)  # 0..7
     hbits = (u >> 2).reshape(-1, 8, 32)  # weight 32 b + j: bit b of byte j
@@ -119,12 +121,7 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 def encode_iq4_xs(a: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 136]."""
     rows = a.shape[0]
-    x = a.astype(np.float64).reshape(-1, 8, 32)
-    sub = np.abs(x).max(-1) / 127
-    d = _f16(sub.max(-1) / 31)
-    df = d.astype(np.float64)
-    s = np.clip(np.rint(sub / _safe(df)[:, None]), 0, 31)
-    eff = df[:, None] * s
+    x, d, s, eff = _symmetric_scales(a, 8, top=127, steps=31)
     nib = np.abs((x / _safe(eff)[..., None])[..., None] - IQ4_VALUES).argmin(-1).astype(np.uint8)
     qs = (nib[..., :16] | (nib[..., 16:] << 4)).reshape(-1, 128)  # sub-block: j, j + 16
     ls = (s + 32).astype(np.uint16)  # 6 bits, the scale ls - 32
