@@ -48,19 +48,27 @@ def encode_q6_k(a: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _asymmetric_codes(a: np.ndarray, sub_blocks: int, top: int, steps: int):
+    """An asymmetric K-quant by absmax: per super-block the fp16 `d` and `dmin`, per
+    sub-block the integer scale `sc` and min `m` (0..steps; the weight is
+    `u * d * sc - dmin * m`), and the codes `u` (0..top) as [super-blocks, sub_blocks,
+    weights]."""
+    x = a.astype(np.float64).reshape(-1, sub_blocks, 256 // sub_blocks)
+    low = np.minimum(x.min(-1), 0.0)  # ggml's min is -dmin * m with m >= 0
+    scale = (x.max(-1) - low) / top
+    d, dmin = _f16(scale.max(-1) / steps), _f16((-low).max(-1) / steps)
+    df, dmf = d.astype(np.float64), dmin.astype(np.float64)
+    sc = np.clip(np.rint(scale / _safe(df)[:, None]), 0, steps).astype(np.uint8)
+    m = np.clip(np.rint(-low / _safe(dmf)[:, None]), 0, steps).astype(np.uint8)
+    eff, effm = df[:, None] * sc, dmf[:, None] * m
+    u = np.clip(np.rint((x + effm[..., None]) / _safe(eff)[..., None]), 0, top)
+    return d, dmin, sc, m, (u * (eff[..., None] > 0)).astype(np.uint8)
+
+
 def encode_q4_k(a: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 144]."""
     rows = a.shape[0]
-    x = a.astype(np.float64).reshape(-1, 8, 32)
-    low = np.minimum(x.min(-1), 0.0)  # ggml's min is -dmin * m with m >= 0
-    scale = (x.max(-1) - low) / 15
-    d, dmin = _f16(scale.max(-1) / 63), _f16((-low).max(-1) / 63)
-    df, dmf = d.astype(np.float64), dmin.astype(np.float64)
-    sc = np.clip(np.rint(scale / _safe(df)[:, None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(-low / _safe(dmf)[:, None]), 0, 63).astype(np.uint8)
-    eff, effm = df[:, None] * sc, dmf[:, None] * m
-    u = np.clip(np.rint((x + effm[..., None]) / _safe(eff)[..., None]), 0, 15)
-    u = (u * (eff[..., None] > 0)).astype(np.uint8)  # [n, 8, 32]
+    d, dmin, sc, m, u = _asymmetric_codes(a, 8, top=15, steps=63)  # u: [n, 8, 32]
     qs = (u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1, 128)  # run i: sub-blocks 2i, 2i + 1
     packed = np.concatenate(
         (
@@ -99,16 +107,8 @@ def encode_q3_k(a: np.ndarray) -> np.ndarray:
 def encode_q2_k(a: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 84]."""
     rows = a.shape[0]
-    x = a.astype(np.float64).reshape(-1, 16, 16)
-    low = np.minimum(x.min(-1), 0.0)
-    scale = (x.max(-1) - low) / 3
-    d, dmin = _f16(scale.max(-1) / 15), _f16((-low).max(-1) / 15)
-    df, dmf = d.astype(np.float64), dmin.astype(np.float64)
-    sc = np.clip(np.rint(scale / _safe(df)[:, None]), 0, 15).astype(np.uint8)
-    m = np.clip(np.rint(-low / _safe(dmf)[:, None]), 0, 15).astype(np.uint8)
-    eff, effm = df[:, None] * sc, dmf[:, None] * m
-    u = np.clip(np.rint((x + effm[..., None]) / _safe(eff)[..., None]), 0, 3)
-    u = (u * (eff[..., None] > 0)).astype(np.uint8).reshape(-1, 256)
+    d, dmin, sc, m, u = _asymmetric_codes(a, 16, top=3, steps=15)
+    u = u.reshape(-1, 256)
     parts = (sc | (m << 4), _pairs(u), d.view(np.uint8).reshape(-1, 2),
              dmin.view(np.uint8).reshape(-1, 2))  # fmt: skip
     return np.concatenate(parts, axis=1).reshape(rows, -1)
