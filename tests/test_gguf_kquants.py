@@ -246,12 +246,12 @@ def test_a_scale_per_16_on_4_bit_codes():
     halves' scales applied in float64 (only x's two-plane rounding differs)."""
     g = torch.Generator().manual_seed(8)
     rows, cols = 12, 32 * 19  # a whole step of 16 blocks and a tail of 3
-    codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+    blocks = torch.randint(0, 256, (rows, cols // 32, 16), dtype=torch.uint8, generator=g)
     scales = (torch.rand(rows, cols // 16, generator=g) * 0.02).half()
     mins = (torch.randn(rows, cols // 16, generator=g) * 0.05).half()
     x = torch.randn(2, cols, generator=g).bfloat16()
     # the operator's byte layout: blocks interleaved 16 at a time, nibbles j and j + 16
-    blocks = cpu_gemv._block_bytes(codes)  # [rows, blocks, 16]
+    codes = cpu_gemv._interleave_blocks(blocks)
     u = torch.cat((blocks & 15, blocks >> 4), dim=2).reshape(rows, cols).double()
     for m in (None, mins):
         d = scales.double().repeat_interleave(16, 1)

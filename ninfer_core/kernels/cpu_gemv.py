@@ -150,6 +150,12 @@ def _register_fake() -> None:
     def _(x, codes, scales, mins):
         return x.new_empty((x.shape[0], codes.shape[0]))
 
+    @torch.library.register_fake("ninfer_cpu::dequantize_q4")
+    def _(codes, scales, mins, start, n, bf16):
+        return codes.new_empty(
+            (n, 2 * codes.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32
+        )
+
     @torch.library.register_fake("ninfer_cpu::decode_attention")
     def _(q, k_pages, v_pages, table, context, k_new, v_new, width, scale):
         return q.new_empty(q.shape)  # in q's dtype
@@ -321,18 +327,6 @@ def _interleave_blocks(code_bytes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _block_bytes(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_interleave_blocks`: `[rows, blocks * 16]` -> `[rows, blocks, 16]`."""
-    rows, blocks = codes.shape[0], codes.shape[1] // 16
-    parts = [
-        codes[:, 16 * b : 16 * (b + t)].reshape(rows, 4, t, 4).transpose(1, 2)
-        if t == _STEP_BLOCKS
-        else codes[:, 16 * b : 16 * (b + t)].reshape(rows, t, 4, 4)
-        for b, t in _steps(blocks)
-    ]
-    return torch.cat(parts, dim=1).reshape(rows, blocks, 16)
-
-
 class Q4GemvLinear(_CodesGemvLinear):
     """A 4-bit `[out, in]` weight (Q4_0, Q4_1, Q4G64, ...) for `ninfer_cpu::gemv_q4`:
     1.15-1.25x torch's int4 kernel over SmolLM2's and Qwen3-0.6B's layers, out of cache.
@@ -393,13 +387,11 @@ class Q4GemvLinear(_CodesGemvLinear):
         """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `u * d + m`
         (`m = -8 d` for a symmetric format) in fp32, exact before one rounding, as
         `QuantizedTensor.dequantize` computes them."""
-        c = _block_bytes(self.codes[start : start + n])
-        span = min(32, self.padded_in // self.scales.shape[1])  # 16 with a scale per 16
-        u = torch.cat((c & 15, c >> 4), dim=2).to(torch.float32).view(n, -1, span)
-        rows = slice(start, start + n)
-        d = _per_span(self.scales[rows], self.padded_in, span)
-        m = -8 * d if self.mins is None else _per_span(self.mins[rows], self.padded_in, span)
-        return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
+        bf16 = dtype == torch.bfloat16
+        rows = torch.ops.ninfer_cpu.dequantize_q4(
+            self.codes, self.scales, self.mins, start, n, bf16
+        )
+        return rows if bf16 else rows.to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins)
