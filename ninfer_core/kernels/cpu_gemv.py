@@ -152,9 +152,13 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("ninfer_cpu::dequantize_q4")
     def _(codes, scales, mins, start, n, bf16):
-        return codes.new_empty(
-            (n, 2 * codes.shape[1]), dtype=torch.bfloat16 if bf16 else torch.float32
-        )
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return codes.new_empty((n, 2 * codes.shape[1]), dtype=dtype)
+
+    @torch.library.register_fake("ninfer_cpu::dequantize_q8")
+    def _(codes, scales, mins, start, n, bf16):
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return codes.new_empty((n, codes.shape[1]), dtype=dtype)
 
     @torch.library.register_fake("ninfer_cpu::decode_attention")
     def _(q, k_pages, v_pages, table, context, k_new, v_new, width, scale):
@@ -167,14 +171,6 @@ def _group_supported(group: int) -> bool:
     spread over its blocks in registers; or 16 columns (ggml's Q2_K, Q3_K and Q6_K
     sub-blocks), two scales a block."""
     return group == 16 or (group % 32 == 0 and 16 % (group // 32) == 0)
-
-
-def _per_span(values: torch.Tensor, padded_in: int, span: int) -> torch.Tensor:
-    """Held scales or mins of some rows as fp32 `[rows, spans of `span` columns, 1]`:
-    each group's value repeated over the spans it covers (`span` divides the group, or
-    equals it)."""
-    v = values.to(torch.float32)
-    return v.repeat_interleave(padded_in // span // v.shape[1], dim=1)[..., None]
 
 
 def codes_supported(
@@ -452,13 +448,11 @@ class Q8GemvLinear(_CodesGemvLinear):
     def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `(u - 128) * d`,
         or `u * d + m` with mins, in fp32, as `QuantizedTensor.dequantize` computes them."""
-        span = min(32, self.padded_in // self.scales.shape[1])  # 16: Q6_K's sub-blocks
-        u = self.codes[start : start + n].view(n, -1, span).to(torch.float32)
-        d = _per_span(self.scales[start : start + n], self.padded_in, span)
-        if self.mins is None:
-            return u.sub_(128).mul_(d).view(n, self.padded_in).to(dtype)
-        m = _per_span(self.mins[start : start + n], self.padded_in, span)
-        return u.mul_(d).add_(m).view(n, self.padded_in).to(dtype)
+        bf16 = dtype == torch.bfloat16
+        rows = torch.ops.ninfer_cpu.dequantize_q8(
+            self.codes, self.scales, self.mins, start, n, bf16
+        )
+        return rows if bf16 else rows.to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.ninfer_cpu.gemv_q8(x, self.codes, self.scales, self.mins)

@@ -664,6 +664,52 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
   return out;
 }
 
+// Rows start .. start + n of a `gemv_q8` weight dequantized, [n, K] in bf16 (or fp32):
+// w = (u - 128) * d, or u * d + m with mins, in fp32 and rounded once (`dequantize_q4`).
+at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t start, int64_t n,
+                         bool bf16) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  scales.dim() == 2 && scales.scalar_type() == at::kHalf &&
+                  scales.is_contiguous() && scales.size(0) == codes.size(0),
+              "dequantize_q8: contiguous uint8 codes [N, K] and fp16 scales [N, groups]");
+  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
+                        mins->is_contiguous()),
+              "dequantize_q8: mins like scales");
+  const int64_t N = codes.size(0), K = codes.size(1), groups = scales.size(1);
+  const int64_t per = groups > 0 && K % groups == 0 ? K / groups / 16 : 0;  // 16s a group
+  TORCH_CHECK(K % 16 == 0 && per > 0 && (per & (per - 1)) == 0,
+              "dequantize_q8: groups of 16, 32, 64, ... columns");
+  TORCH_CHECK(start >= 0 && n >= 0 && start + n <= N, "dequantize_q8: rows out of range");
+  const int gshift = __builtin_ctzll(per);
+  at::Tensor out = at::empty({n, K}, codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  auto* out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  auto* out32 = bf16 ? nullptr : out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const auto* mp = mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* c = cp + (start + r) * K;
+      const uint16_t* d = dp + (start + r) * groups;
+      const uint16_t* mn = mp ? mp + (start + r) * groups : nullptr;
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k)));
+        const int64_t g = (k / 16) >> gshift;
+        const float dv = _cvtsh_ss(d[g]), mv = mn ? _cvtsh_ss(mn[g]) : -128.f * dv;
+        // u * d is exact (8 by 11 bits), so the FMA rounds once, as (u - 128) * d does.
+        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(dv), _mm512_set1_ps(mv));
+        if (out16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + r * K + k),
+                              (__m256i)_mm512_cvtneps_pbh(w));
+        else
+          _mm512_storeu_ps(out32 + r * K + k, w);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
@@ -674,6 +720,9 @@ TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def(
       "dequantize_q4(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16) "
       "-> Tensor");
+  m.def(
+      "dequantize_q8(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ninfer_cpu, CPU, m) {
@@ -682,4 +731,5 @@ TORCH_LIBRARY_IMPL(ninfer_cpu, CPU, m) {
   m.impl("gemv_q4", &gemv_q4);
   m.impl("gemv_q8", &gemv_q8);
   m.impl("dequantize_q4", &dequantize_q4);
+  m.impl("dequantize_q8", &dequantize_q8);
 }
