@@ -596,44 +596,75 @@ at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   return gemv_codes(x, codes, scales, mins, 8);
 }
 
-// Rows start .. start + n of a `gemv_q4` weight dequantized, [n, K] in bf16 (or fp32):
-// w = u * d + m (m = -8 d without mins) in fp32, then rounded once, as
-// `QuantizedTensor.dequantize` computes it (u * d is exact: 4 by 11 bits). What a prefill
-// chunk multiplies: torch's ops over the interleaved nibbles took 0.33 G weights/s, a
-// third of the chunk's GEMM time at 512 rows.
+// ------------------------------------------------ prefill rows from the codes
+//
+// A prefill chunk multiplies bf16 rows of the weight; these operators dequantize them
+// from the GEMVs' own codes: w = u * d + m (m = -8 d or -128 d without mins) in fp32,
+// rounded once, as `QuantizedTensor.dequantize` computes it (u * d is exact: 8 by 11
+// bits at most, so one FMA rounds as u * d + m does). torch's ops over the interleaved
+// nibbles took 0.33 G weights/s, a third of a 512-row chunk's GEMM time.
+
+// Rows start .. start + n of codes [N, K * bits / 8] with fp16 scales (and mins) per
+// group of 16 * 2^gshift columns, and where their values go: checked once for both widths.
+struct DequantRows {
+  int64_t K, groups;
+  int gshift;
+  const uint8_t* codes;  // row start
+  const uint16_t* scales;
+  const uint16_t* mins;  // or null
+  at::Tensor out;  // [n, K], bf16 or fp32
+  uint16_t* out16;
+  float* out32;
+
+  DequantRows(const char* name, const at::Tensor& c, const at::Tensor& s,
+              const std::optional<at::Tensor>& m, int64_t start, int64_t n, bool bf16, int bits) {
+    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kByte && c.is_contiguous() &&
+                    s.dim() == 2 && s.scalar_type() == at::kHalf && s.is_contiguous() &&
+                    s.size(0) == c.size(0),
+                name, ": contiguous uint8 codes [N, K * bits / 8] and fp16 scales [N, groups]");
+    TORCH_CHECK(!m || (m->sizes() == s.sizes() && m->scalar_type() == at::kHalf &&
+                       m->is_contiguous()),
+                name, ": mins like scales");
+    K = c.size(1) * 8 / bits, groups = s.size(1);
+    const int64_t per = groups > 0 && K % groups == 0 ? K / groups / 16 : 0;  // 16s a group
+    TORCH_CHECK(K % (bits == 4 ? 32 : 16) == 0 && per > 0 && (per & (per - 1)) == 0, name,
+                ": whole blocks and groups of 16, 32, 64, ... columns");
+    TORCH_CHECK(start >= 0 && n >= 0 && start + n <= c.size(0), name, ": rows out of range");
+    gshift = __builtin_ctzll(per);
+    codes = c.data_ptr<uint8_t>() + start * c.size(1);
+    scales = reinterpret_cast<const uint16_t*>(s.data_ptr()) + start * groups;
+    mins = m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) + start * groups : nullptr;
+    out = at::empty({n, K}, c.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+    out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+    out32 = bf16 ? nullptr : out.data_ptr<float>();
+  }
+
+  // Columns k .. k + 15 of row r: sixteen codes u as int32, in group `(k / 16) >> gshift`.
+  void put(int64_t r, int64_t k, __m512i u, float offset) const {
+    const int64_t g = r * groups + ((k / 16) >> gshift);
+    const float d = _cvtsh_ss(scales[g]), m = mins ? _cvtsh_ss(mins[g]) : offset * d;
+    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(d), _mm512_set1_ps(m));
+    if (out16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + r * K + k),
+                          (__m256i)_mm512_cvtneps_pbh(w));
+    else
+      _mm512_storeu_ps(out32 + r * K + k, w);
+  }
+};
+
+// Rows of a `gemv_q4` weight: a block's 16 bytes gathered from its interleaved step
+// (`_interleave_blocks`: dword c at 64 c + 4 (b % 16) of the step's 256 bytes), or read in
+// order in the row's tail.
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t start, int64_t n,
                          bool bf16) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  scales.dim() == 2 && scales.scalar_type() == at::kHalf &&
-                  scales.is_contiguous() && scales.size(0) == codes.size(0),
-              "dequantize_q4: contiguous uint8 codes [N, K / 2] and fp16 scales [N, groups]");
-  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
-                        mins->is_contiguous()),
-              "dequantize_q4: mins like scales");
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, nb = K / 32, groups = scales.size(1);
-  const int64_t halves_per_group = groups > 0 && K % groups == 0 ? K / groups / 16 : 0;
-  TORCH_CHECK(K % 32 == 0 && halves_per_group > 0 &&
-                  (halves_per_group & (halves_per_group - 1)) == 0,
-              "dequantize_q4: whole blocks of 32 and groups of 16, 32, 64, ... columns");
-  TORCH_CHECK(start >= 0 && n >= 0 && start + n <= N, "dequantize_q4: rows out of range");
-  const int gshift = __builtin_ctzll(halves_per_group);  // half-blocks of 16 -> group
-  at::Tensor out = at::empty({n, K}, codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  auto* out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
-  auto* out32 = bf16 ? nullptr : out.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const auto* mp = mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
-  const int64_t whole = nb / 16 * 16;  // blocks in whole interleaved steps
+  const DequantRows rows("dequantize_q4", codes, scales, mins, start, n, bf16, 4);
+  const int64_t nb = rows.K / 32, whole = nb / 16 * 16;
   const __m512i nib = _mm512_set1_epi32(15);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* c = cp + (start + r) * (K / 2);
-      const uint16_t* d = dp + (start + r) * groups;
-      const uint16_t* mn = mp ? mp + (start + r) * groups : nullptr;
+      const uint8_t* c = rows.codes + r * (rows.K / 2);
       for (int64_t b = 0; b < nb; ++b) {
-        // Block b's 16 bytes: in a whole step, dword c of them at 64 c + 4 (b % 16) of the
-        // step's 256 bytes (`_interleave_blocks`); in the tail, in order.
         __m128i bytes;
         if (b < whole) {
           const uint8_t* at = c + b / 16 * 256 + (b % 16) * 4;
@@ -644,70 +675,27 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
           bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
         }
         const __m512i v = _mm512_cvtepu8_epi32(bytes);
-        const __m512i halves[2] = {_mm512_and_si512(v, nib), _mm512_srli_epi32(v, 4)};
-        for (int h = 0; h < 2; ++h) {  // columns 0..15 (low nibbles), 16..31 (high)
-          const int64_t g = (2 * b + h) >> gshift;
-          const float dv = _cvtsh_ss(d[g]), mv = mn ? _cvtsh_ss(mn[g]) : -8.f * dv;
-          // u * d is exact (4 by 11 bits), so the FMA rounds once, as u * d + m does.
-          const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(halves[h]), _mm512_set1_ps(dv),
-                                           _mm512_set1_ps(mv));
-          const int64_t at = r * K + b * 32 + h * 16;
-          if (out16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + at),
-                                (__m256i)_mm512_cvtneps_pbh(w));
-          else
-            _mm512_storeu_ps(out32 + at, w);
-        }
+        rows.put(r, b * 32, _mm512_and_si512(v, nib), -8.f);  // low nibbles: columns 0..15
+        rows.put(r, b * 32 + 16, _mm512_srli_epi32(v, 4), -8.f);  // high: 16..31
       }
     }
   });
-  return out;
+  return rows.out;
 }
 
-// Rows start .. start + n of a `gemv_q8` weight dequantized, [n, K] in bf16 (or fp32):
-// w = (u - 128) * d, or u * d + m with mins, in fp32 and rounded once (`dequantize_q4`).
+// Rows of a `gemv_q8` weight: stored codes u = code + 128 in column order.
 at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t start, int64_t n,
                          bool bf16) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  scales.dim() == 2 && scales.scalar_type() == at::kHalf &&
-                  scales.is_contiguous() && scales.size(0) == codes.size(0),
-              "dequantize_q8: contiguous uint8 codes [N, K] and fp16 scales [N, groups]");
-  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kHalf &&
-                        mins->is_contiguous()),
-              "dequantize_q8: mins like scales");
-  const int64_t N = codes.size(0), K = codes.size(1), groups = scales.size(1);
-  const int64_t per = groups > 0 && K % groups == 0 ? K / groups / 16 : 0;  // 16s a group
-  TORCH_CHECK(K % 16 == 0 && per > 0 && (per & (per - 1)) == 0,
-              "dequantize_q8: groups of 16, 32, 64, ... columns");
-  TORCH_CHECK(start >= 0 && n >= 0 && start + n <= N, "dequantize_q8: rows out of range");
-  const int gshift = __builtin_ctzll(per);
-  at::Tensor out = at::empty({n, K}, codes.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  auto* out16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
-  auto* out32 = bf16 ? nullptr : out.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  const auto* mp = mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+  const DequantRows rows("dequantize_q8", codes, scales, mins, start, n, bf16, 8);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* c = cp + (start + r) * K;
-      const uint16_t* d = dp + (start + r) * groups;
-      const uint16_t* mn = mp ? mp + (start + r) * groups : nullptr;
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k)));
-        const int64_t g = (k / 16) >> gshift;
-        const float dv = _cvtsh_ss(d[g]), mv = mn ? _cvtsh_ss(mn[g]) : -128.f * dv;
-        // u * d is exact (8 by 11 bits), so the FMA rounds once, as (u - 128) * d does.
-        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_set1_ps(dv), _mm512_set1_ps(mv));
-        if (out16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + r * K + k),
-                              (__m256i)_mm512_cvtneps_pbh(w));
-        else
-          _mm512_storeu_ps(out32 + r * K + k, w);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t k = 0; k < rows.K; k += 16) {
+        const auto* at = reinterpret_cast<const __m128i*>(rows.codes + r * rows.K + k);
+        rows.put(r, k, _mm512_cvtepu8_epi32(_mm_loadu_si128(at)), -128.f);
       }
-    }
   });
-  return out;
+  return rows.out;
 }
 
 }  // namespace
