@@ -35,8 +35,8 @@ Only the nibble order changes (ours holds neighbours `2k, 2k + 1` in byte `k`); 
 and mins are the blocks' fp16 bit patterns, moved, never rounded.
 
 The K-quant types, the bulk of llama.cpp's Q2_K, Q3_K_*, Q4_K_*, Q5_K_* and Q6_K files,
-keep their codes too, and so does IQ4_XS. Each 256-weight super-block holds an fp16 `d` (and `dmin`)
-and small integer scales per sub-block:
+keep their codes too, and so does IQ4_XS. Each 256-weight super-block holds an fp16 `d`
+(and `dmin`) and small integer scales per sub-block:
 
 | ggml type | bytes | sub-blocks | weight of sub-block `j`          | code u | our format |
 |-----------|-------|------------|----------------------------------|--------|------------|
@@ -50,11 +50,12 @@ and small integer scales per sub-block:
 (Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8, Q3_K's and IQ4_XS's `sc`
 6-bit, Q2_K's `sc` and `mn` 4-bit; IQ4_XS's `v` is IQ4_NL's code book.)
 
-The codes are kept as they are (Q5_K's, Q6_K's and IQ4_XS's widen to our 8-bit ones). The
-sub-block products `d * sc[j]` and `dmin * mn[j]` are exact in fp32; ours are fp16, so
-each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's own
-Q8_0 scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized
-to bf16. A product past fp16's range fails the load with the tensor named.
+The codes are kept as they are (Q5_K's and Q6_K's widen to our 8-bit ones; IQ4_XS's
+nibbles become the values they name, 8-bit codes). The sub-block products `d * sc[j]`
+and `dmin * mn[j]` are exact in fp32; ours are fp16, so each is rounded once: at most
+2^-11 of the scale for a normal fp16 value (ggml's own Q8_0 scales are fp16 too), against
+2^-9 of every weight had the tensor been dequantized to bf16. A product past fp16's range
+fails the load with the tensor named.
 
 Any other ggml type (F16, BF16, the IQ1-IQ3 types, ...) gives None: the reader
 dequantizes those itself.
