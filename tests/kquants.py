@@ -11,6 +11,7 @@ decodes what these write.
 from __future__ import annotations
 
 import numpy as np
+from gguf.quants import IQ4_NL
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -114,8 +115,8 @@ def encode_q2_k(a: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
-#: IQ4_NL's and IQ4_XS's values (`gguf.quants.IQ4_NL.kvalues`).
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+#: IQ4_NL's and IQ4_XS's values.
+IQ4_VALUES = np.array(IQ4_NL.kvalues)
 
 
 def encode_iq4_xs(a: np.ndarray) -> np.ndarray:

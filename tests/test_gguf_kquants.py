@@ -5,8 +5,8 @@ are 8-bit codes).
 
 The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Q5_0's values equal it
 bit for bit, and so do IQ4_NL's; the K-quants' (IQ4_XS among them) to within one fp16
-rounding of each sub-block's scale and min,
-and bit for bit where those products are fp16 values already. The W8G16 GEMV is checked
+rounding of each sub-block's scale and min, and bit for bit where those products are fp16
+values already. The W8G16 GEMV is checked
 against float64 math; a tiny Llama written with K-quant matrices (mixed per layer as
 llama.cpp's Q4_K_M mixes them) loads with them kept and gives transformers' logits.
 """

@@ -274,6 +274,12 @@ class _CodesGemvLinear(PackedLinear):
     def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`, as
         `QuantizedTensor.dequantize` computes them (fp32, exact before one rounding)."""
+        bf16 = dtype == torch.bfloat16
+        rows = self._dequantize(start, n, bf16)
+        return rows if bf16 else rows.to(dtype)
+
+    def _dequantize(self, start: int, n: int, bf16: bool) -> torch.Tensor:
+        """`weight_rows` in bf16, or else fp32, by this layer's operator."""
         raise NotImplementedError
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -379,15 +385,11 @@ class Q4GemvLinear(_CodesGemvLinear):
         mins = 0 if self.mins is None else self.mins.numel() * 2
         return self.codes.numel() + self.scales.numel() * 2 + mins
 
-    def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `u * d + m`
-        (`m = -8 d` for a symmetric format) in fp32, exact before one rounding, as
-        `QuantizedTensor.dequantize` computes them."""
-        bf16 = dtype == torch.bfloat16
-        rows = torch.ops.ninfer_cpu.dequantize_q4(
+    def _dequantize(self, start: int, n: int, bf16: bool) -> torch.Tensor:
+        """`u * d + m` (`m = -8 d` for a symmetric format)."""
+        return torch.ops.ninfer_cpu.dequantize_q4(
             self.codes, self.scales, self.mins, start, n, bf16
         )
-        return rows if bf16 else rows.to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins)
@@ -445,14 +447,11 @@ class Q8GemvLinear(_CodesGemvLinear):
         mins = 0 if self.mins is None else self.mins.numel() * 2
         return self.codes.numel() + self.scales.numel() * 2 + mins
 
-    def weight_rows(self, start: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Rows `start:start + n` dequantized, `[n, padded_in]` in `dtype`: `(u - 128) * d`,
-        or `u * d + m` with mins, in fp32, as `QuantizedTensor.dequantize` computes them."""
-        bf16 = dtype == torch.bfloat16
-        rows = torch.ops.ninfer_cpu.dequantize_q8(
+    def _dequantize(self, start: int, n: int, bf16: bool) -> torch.Tensor:
+        """`(u - 128) * d`, or `u * d + m` with mins."""
+        return torch.ops.ninfer_cpu.dequantize_q8(
             self.codes, self.scales, self.mins, start, n, bf16
         )
-        return rows if bf16 else rows.to(dtype)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.ninfer_cpu.gemv_q8(x, self.codes, self.scales, self.mins)

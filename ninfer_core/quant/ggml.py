@@ -210,10 +210,15 @@ def _q5_k(blocks: torch.Tensor) -> _Converted:
 
     The nibbles run as Q4_K's; weight `j` of sub-block `k` takes its fifth bit from bit
     `k` of high byte `j`."""
-    shifts = torch.arange(8, dtype=torch.uint8)[:, None]  # [8 sub-blocks, 1]
-    high = (blocks[..., None, 16:48] >> shifts) & 1  # [r, g, 8, 32]
-    u = _k_nibbles(blocks[..., 48:176]) | (high.reshape(*blocks.shape[:-1], 256) << 4)
+    u = _k_nibbles(blocks[..., 48:176]) | (_k_high_bits(blocks[..., 16:48]) << 4)
     return u, _k_scales_mins(blocks)
+
+
+def _k_high_bits(hbytes: torch.Tensor) -> torch.Tensor:
+    """32 bytes of high bits a super-block [r, g, 32] (Q3_K's and Q5_K's) -> its 256 bits
+    in weight order: weight `32 b + j` (j < 32) is bit `b` of byte `j`."""
+    bits = torch.arange(8, dtype=torch.uint8)[:, None]  # [8, 1]
+    return ((hbytes[..., None, :] >> bits) & 1).reshape(*hbytes.shape[:-1], 256)
 
 
 def _k_scales_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,14 +262,11 @@ def _q3_k(blocks: torch.Tensor) -> _Converted:
     6-bit scales, fp16 d) -> Q3G16 codes (`q - 4`), and per 16 weights the scale
     `d * (sc - 32)` in fp32 (exact).
 
-    Weight `i = 32 b + j` (j < 32) takes its third bit from bit `b` of high byte `j`; a
-    set bit adds 4, so `q = pair + 4 hbit` runs 0..7 and the code is `q - 4`
-    (`gguf.quants.Q3_K`). Scale `k`'s low four bits are nibble `k // 8` of byte `k % 8`,
-    its top two bits `2 (k // 4)` of byte `8 + k % 4`."""
-    lead = blocks.shape[:-1]
-    bits = torch.arange(8, dtype=torch.uint8)[:, None]  # [8, 1]
-    high = ((blocks[..., None, 0:32] >> bits) & 1).reshape(*lead, 256)
-    q = _k_pairs(blocks[..., 32:96]) | (high << 2)  # 0..7, code q - 4
+    Weight `i = 32 b + j` (j < 32) takes its third bit from bit `b` of high byte `j`
+    (`_k_high_bits`); a set bit adds 4, so `q = pair + 4 hbit` runs 0..7 and the code is
+    `q - 4` (`gguf.quants.Q3_K`). Scale `k`'s low four bits are nibble `k // 8` of byte
+    `k % 8`, its top two bits `2 (k // 4)` of byte `8 + k % 4`."""
+    q = _k_pairs(blocks[..., 32:96]) | (_k_high_bits(blocks[..., 0:32]) << 2)  # 0..7
     packed = blocks[..., 96:108]
     low = torch.cat((packed[..., 0:8] & 15, packed[..., 0:8] >> 4), dim=-1)  # [r, g, 16]
     top = torch.cat([(packed[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)

@@ -3,8 +3,8 @@
 Reads architectures llama, mistral, qwen2 and qwen3 through gguf-py's `GGUFReader`
 (bounded for untrusted files, `file.py`): the metadata becomes a Hugging Face `config.json`
 (`config.py`), the tensors are served under Hugging Face names in torch's layout, Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices kept in their codes (`tensors.py`),
-and the `tokenizer.*` metadata becomes `tokenizer.json` and `tokenizer_config.json`
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K..Q6_K and IQ4_XS matrices kept in their codes
+(`tensors.py`), and the `tokenizer.*` metadata becomes `tokenizer.json` and `tokenizer_config.json`
 (`tokenizer.py`), so loading, the text layer and `ninfer convert` see a GGUF like a model
 folder. See docs/gguf.md.
 

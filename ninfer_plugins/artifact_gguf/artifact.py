@@ -49,7 +49,7 @@ _FUSED_PART = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.)(\w+)(\.weig
 
 def _kept_formats(named: dict[str, Any]) -> dict[str, str]:
     """Hugging Face name -> our format for each tensor kept in its ggml codes: every
-    matrix of a type `ggml.kept_format` keeps (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K). The parts
+    matrix of a type `ggml.kept_format` keeps (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4). The parts
     of a fused group whose formats differ (say q and k in Q4_K, v in Q6_K, as llama.cpp's
     Q4_K_M writes some layers) are all held in one format that holds each of them exactly
     (`quant.widen`); a group with a part that loads dense loads dense."""

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 from typing import TYPE_CHECKING
 
+from ninfer_core.quant.formats import FORMATS
 from ninfer_core.support import Support
 
 if TYPE_CHECKING:
@@ -36,10 +37,10 @@ LINEAR_FORMATS: dict[str, tuple[int, bool]] = {
     "Q4G32M": (4, True),
 }
 #: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
-#: (`linear.pack_linear`): W8G16, Q3G16 and Q2G16M, a GGUF's Q6_K, Q3_K and Q2_K codes (a
-#: scale per 16 columns), and the formats of a GGUF's mixed fused groups (8-bit with mins,
-#: 4-bit per 16).
-DEQUANTIZED_FORMATS = frozenset({"W8G16", "W8G32M", "W8G16M", "Q3G16", "Q2G16M", "Q4G16", "Q4G16M"})
+#: (`linear.pack_linear`): every other format of `FORMATS` (W8G16, Q3G16 and Q2G16M, a
+#: GGUF's Q6_K, Q3_K and Q2_K codes with a scale per 16 columns, and the formats of a
+#: GGUF's mixed fused groups).
+DEQUANTIZED_FORMATS = frozenset(n for n, f in FORMATS.items() if f.quantized) - set(LINEAR_FORMATS)
 #: Dense weights `linear` multiplies as they are (torch.matmul).
 DENSE_FORMATS = frozenset({"fp16", "bf16", "fp32"})
 #: The only op this backend provides.

@@ -13,6 +13,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
+from ninfer_core.quant.formats import FORMATS
 from ninfer_core.support import Support
 
 if TYPE_CHECKING:
@@ -29,10 +30,10 @@ BF16_MIN_SM = 80
 #: (`ninfer_core.quant.formats`: Q4_0 is Q4G32, Q4_1 Q4G32M, Q8_0 W8G32).
 LINEAR_FORMATS = frozenset({"Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M"})
 #: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
-#: (`linear.pack_linear`): W8G16, a GGUF's Q6_K codes, whose scale per 16 columns is
-#: narrower than the kernels' K blocks (Q3G16 and Q2G16M, its Q3_K and Q2_K, too), and
-#: the formats of a GGUF's mixed fused groups (8-bit with mins, 4-bit per 16).
-DEQUANTIZED_FORMATS = frozenset({"W8G16", "W8G32M", "W8G16M", "Q3G16", "Q2G16M", "Q4G16", "Q4G16M"})
+#: (`linear.pack_linear`): every other format of `FORMATS`. W8G16, Q3G16 and Q2G16M (a
+#: GGUF's Q6_K, Q3_K and Q2_K codes) have a scale per 16 columns, narrower than the
+#: kernels' K blocks; the rest hold a GGUF's mixed fused groups.
+DEQUANTIZED_FORMATS = frozenset(n for n, f in FORMATS.items() if f.quantized) - LINEAR_FORMATS
 #: Weight formats `int8_linear.py`'s W8A8 / W4A8 prefill GEMM reads
 #: (`--activation-dtype int8`): symmetric 8- and 4-bit codes.
 INT8_ACT_FORMATS = frozenset({"W8G32", "Q4G64", "Q4G32"})

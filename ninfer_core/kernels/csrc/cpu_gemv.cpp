@@ -21,6 +21,7 @@
 #include <cstring>
 #include <new>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -540,7 +541,8 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int g = gb > 0 ? __builtin_ctzll(gb) : 0;  // gb is 1, 2, 4, 8 or 16
   const int64_t row_bytes = K * bits / 8;
   // Each kind of row gets a loop of its own (one instantiation of `rows`), chosen once
-  // here rather than per row.
+  // here rather than per row; `mins` says at compile time whether the format has mins
+  // (the row's mins pointer is null without them).
   auto rows = [&](auto dot) {
     at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
@@ -551,38 +553,29 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   };
   using Row = const uint8_t*;
   using Values = const uint16_t*;
-  if (per16 && bits == 4 && mp)
-    rows([&](Row c, Values d, Values mn, int64_t m) {
-      return dot_q4<true, true>(c, d, mn, nb, g, expand, qx, m, quads);
-    });
-  else if (per16 && bits == 4)
-    rows([&](Row c, Values d, Values, int64_t m) {
-      return dot_q4<false, true>(c, d, nullptr, nb, g, expand, qx, m, quads);
-    });
-  else if (per16 && mp)
-    rows([&](Row c, Values d, Values mn, int64_t m) {
-      return dot_q8_16<true>(c, d, mn, nb, qx, m, quads, pairs);
-    });
-  else if (per16)
-    rows([&](Row c, Values d, Values, int64_t m) {
-      return dot_q8_16<false>(c, d, nullptr, nb, qx, m, quads, pairs);
-    });
-  else if (bits == 8 && mp)
-    rows([&](Row c, Values d, Values mn, int64_t m) {
-      return dot_q8<true>(c, d, mn, nb, g, expand, qx, m, lanes);
-    });
-  else if (bits == 8)
-    rows([&](Row c, Values d, Values, int64_t m) {
-      return dot_q8<false>(c, d, nullptr, nb, g, expand, qx, m, lanes);
-    });
-  else if (mp)
-    rows([&](Row c, Values d, Values mn, int64_t m) {
-      return dot_q4<true, false>(c, d, mn, nb, g, expand, qx, m, quads);
-    });
+  auto by_kind = [&](auto mins) {
+    constexpr bool kMins = decltype(mins)::value;
+    if (per16 && bits == 4)
+      rows([&](Row c, Values d, Values mn, int64_t m) {
+        return dot_q4<kMins, true>(c, d, mn, nb, g, expand, qx, m, quads);
+      });
+    else if (per16)
+      rows([&](Row c, Values d, Values mn, int64_t m) {
+        return dot_q8_16<kMins>(c, d, mn, nb, qx, m, quads, pairs);
+      });
+    else if (bits == 8)
+      rows([&](Row c, Values d, Values mn, int64_t m) {
+        return dot_q8<kMins>(c, d, mn, nb, g, expand, qx, m, lanes);
+      });
+    else
+      rows([&](Row c, Values d, Values mn, int64_t m) {
+        return dot_q4<kMins, false>(c, d, mn, nb, g, expand, qx, m, quads);
+      });
+  };
+  if (mp)
+    by_kind(std::true_type{});
   else
-    rows([&](Row c, Values d, Values, int64_t m) {
-      return dot_q4<false, false>(c, d, nullptr, nb, g, expand, qx, m, quads);
-    });
+    by_kind(std::false_type{});
   return y;
 }
 
