@@ -1,4 +1,4 @@
-"""Encoders for ggml's Q2_K, Q3_K, Q4_K, Q6_K and IQ4_XS super-blocks, for writing test
+"""Encoders for ggml's Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks, for writing test
 files.
 
 gguf-py dequantizes K-quants but cannot write them (`gguf.quants.quantize` raises
@@ -66,11 +66,9 @@ def _asymmetric_codes(a: np.ndarray, sub_blocks: int, top: int, steps: int):
     return d, dmin, sc, m, (u * (eff[..., None] > 0)).astype(np.uint8)
 
 
-def encode_q4_k(a: np.ndarray) -> np.ndarray:
-    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 144]."""
-    rows = a.shape[0]
-    d, dmin, sc, m, u = _asymmetric_codes(a, 8, top=15, steps=63)  # u: [n, 8, 32]
-    qs = (u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1, 128)  # run i: sub-blocks 2i, 2i + 1
+def _k_head(d, dmin, sc, m) -> np.ndarray:
+    """Q4_K's and Q5_K's first 16 bytes: fp16 d and dmin, then the eight 6-bit (sc, m)
+    pairs in 12 bytes."""
     packed = np.concatenate(
         (
             sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
@@ -79,8 +77,31 @@ def encode_q4_k(a: np.ndarray) -> np.ndarray:
         ),
         axis=1,
     )
-    head = np.concatenate((d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)), 1)
-    return np.concatenate((head, packed, qs), axis=1).reshape(rows, -1)
+    fp16 = (d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2))
+    return np.concatenate((*fp16, packed), axis=1)
+
+
+def _k_runs(u: np.ndarray) -> np.ndarray:
+    """Low nibbles [n, 8, 32] -> Q4_K's and Q5_K's 128 bytes: run i holds sub-blocks 2i
+    (low nibbles) and 2i + 1 (high)."""
+    low = u & 15
+    return (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+
+
+def encode_q4_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 144]."""
+    rows = a.shape[0]
+    d, dmin, sc, m, u = _asymmetric_codes(a, 8, top=15, steps=63)  # u: [n, 8, 32]
+    return np.concatenate((_k_head(d, dmin, sc, m), _k_runs(u)), axis=1).reshape(rows, -1)
+
+
+def encode_q5_k(a: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 176]."""
+    rows = a.shape[0]
+    d, dmin, sc, m, u = _asymmetric_codes(a, 8, top=31, steps=63)  # u: [n, 8, 32]
+    qh = sum((u[:, b] >> 4) << b for b in range(8)).astype(np.uint8)  # weight 32 b + j: bit b
+    parts = (_k_head(d, dmin, sc, m), qh, _k_runs(u))
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
 def _pairs(u: np.ndarray) -> np.ndarray:
@@ -133,6 +154,6 @@ def encode_iq4_xs(a: np.ndarray) -> np.ndarray:
 
 
 ENCODERS = {
-    "Q2_K": encode_q2_k, "Q3_K": encode_q3_k, "Q4_K": encode_q4_k, "Q6_K": encode_q6_k,
-    "IQ4_XS": encode_iq4_xs,
+    "Q2_K": encode_q2_k, "Q3_K": encode_q3_k, "Q4_K": encode_q4_k, "Q5_K": encode_q5_k,
+    "Q6_K": encode_q6_k, "IQ4_XS": encode_iq4_xs,
 }  # fmt: skip

@@ -3,6 +3,9 @@ matmuls: ragged shapes, several rows, the prefill fallback, a compiled graph cal
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,6 +116,20 @@ def test_a_compiled_graph_calls_the_operator():
 
     got = compile_graph(fn)(x)  # as the decode step compiles
     assert torch.equal(got, fn(x))
+
+
+def test_compiled_graphs_are_cached_per_build_of_the_operators():
+    """Inductor's graph cache keys on the graph, not on the operators' code: a graph
+    compiled against an older schema of `gemv_q4` would call it with the wrong
+    arguments. The key takes a digest of the sources, so changing them misses the cache."""
+    digest = hashlib.sha256()
+    for source in cpu_gemv._SOURCES:
+        digest.update(Path(source).read_bytes())
+    digest.update(" ".join(cpu_gemv._FLAGS).encode())
+    tags = torch.compiler.config.cache_key_tag.split()
+    assert f"ninfer_cpu-{digest.hexdigest()[:16]}" in tags
+    cpu_gemv._key_compiled_graphs()  # once only, however often the library is checked
+    assert torch.compiler.config.cache_key_tag.split() == tags
 
 
 def test_switched_off_by_the_environment(monkeypatch):

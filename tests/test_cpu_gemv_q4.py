@@ -13,16 +13,20 @@ from ninfer_core.engine.compiled_step import compile_graph
 from ninfer_core.kernels import cpu_gemv
 from ninfer_core.kernels.cpu_gemv import Q4GemvLinear, Q8GemvLinear, codes_linear
 from ninfer_core.kernels.reference import TorchOps
-from ninfer_core.quant.tensor import quantize
+from ninfer_core.quant.codes import pack_codes
+from ninfer_core.quant.formats import weight_format
+from ninfer_core.quant.tensor import QuantizedTensor, quantize
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.available(), reason=f"CPU GEMV not built: {cpu_gemv.unavailable()}"
 )
 
 FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "W8G32", "W8G16", "Q5G64", "Q6G64", "W8G32M", "W8G16M",
-           "Q3G16", "Q2G16M"]  # fmt: skip
-#: The formats the 4-bit layer runs: 4-bit codes, and 2- and 3-bit ones with a scale per 16.
-NIBBLE_FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "Q3G16", "Q2G16M"]
+           "Q3G16", "Q2G16M", "Q5G32", "Q5G32M", "Q6G16", "Q6G16M"]  # fmt: skip
+#: The formats the 4-bit layer runs: 4-bit codes, 2- and 3-bit ones with a scale per 16,
+#: and 5- and 6-bit ones (nibbles and planes of high bits).
+NIBBLE_FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "Q3G16", "Q2G16M", "Q5G64", "Q6G64", "Q5G32",
+                  "Q5G32M", "Q6G16", "Q6G16M"]  # fmt: skip
 
 
 def _weight(fmt: str, out: int, inp: int, seed: int = 0):
@@ -92,7 +96,7 @@ def test_decode_and_prefill_rows_against_float64(fmt):
     qt = _weight(fmt, 300, 100)  # 100 columns: padded to the group
     exact_w = qt.dequantize(torch.float64)
     lin = TorchOps("cpu").pack_linear(qt, dtype=torch.bfloat16)
-    assert isinstance(lin, Q4GemvLinear if qt.fmt.bits <= 4 else Q8GemvLinear)
+    assert isinstance(lin, Q4GemvLinear if qt.fmt.bits <= 6 else Q8GemvLinear)
     b = torch.randn(300).bfloat16()
     for rows in (1, 16, 17, 80):
         x = _x(rows, 100, seed=rows)
@@ -112,10 +116,12 @@ def test_the_planners_bytes_are_the_built_bytes(fmt, shape):
     qt = _weight(fmt, *shape)
     lin = Q4GemvLinear(qt)
     assert Q4GemvLinear.nbytes_for(qt.fmt, shape) == lin.nbytes
-    # half a byte a weight and one fp16 scale (and min) per group (Q4G64: 4.25 bits a
-    # weight), over whole blocks of 32 (48 columns of a scale per 16 hold 64)
-    kp, group = -(-qt.padded_cols // 32) * 32, qt.fmt.group
-    assert lin.nbytes == shape[0] * kp // 2 + shape[0] * kp // group * 2 * (2 if qt.fmt.mins else 1)
+    # half a byte a weight, an eighth per plane of high bits (5- and 6-bit codes) and one
+    # fp16 scale (and min) per group (Q4G64: 4.25 bits a weight), over whole blocks of 32
+    # (48 columns of a scale per 16 hold 64)
+    kp, group, planes = -(-qt.padded_cols // 32) * 32, qt.fmt.group, max(0, qt.fmt.bits - 4)
+    codes = shape[0] * kp // 2 + shape[0] * kp // 8 * planes
+    assert lin.nbytes == codes + shape[0] * kp // group * 2 * (2 if qt.fmt.mins else 1)
 
 
 def test_the_8_bit_layer_holds_the_loaded_tensors():
@@ -160,17 +166,39 @@ def test_a_group_the_operators_cant_spread_is_refused():
         torch.ops.ninfer_cpu.gemv_q4(x, codes, torch.ones(4, 1, dtype=torch.half), None)
 
 
-@pytest.mark.parametrize("fmt", ["Q5G64", "Q6G64"])
-def test_5_and_6_bit_codes_are_widened_once_to_the_8_bit_layer(fmt):
-    qt = _weight(fmt, 70, 160)  # 160 columns: a padded group
-    ops = TorchOps("cpu")
-    lin = ops.pack_linear(qt, dtype=torch.bfloat16)
-    assert isinstance(lin, Q8GemvLinear) and lin.codes.dtype == torch.uint8
-    # the codes themselves, offset by 128: nothing re-quantized
-    assert torch.equal(lin.codes.to(torch.int16) - 128, qt.codes().to(torch.int16))
-    assert lin.nbytes == 70 * 192 + 70 * 3 * 2  # a byte a weight and the fp16 scales
-    assert ops.packed_nbytes(fmt, (70, 160), dtype=torch.bfloat16) == lin.nbytes
-    assert cpu_gemv.codes_linear_nbytes(qt.fmt, (70, 160)) == lin.nbytes
+@pytest.mark.parametrize("fmt", ["Q5G64", "Q6G64", "Q5G32M", "Q6G16"])
+@pytest.mark.parametrize("blocks", [16, 18, 35])
+def test_5_and_6_bit_codes_are_nibbles_and_planes_of_high_bits(fmt, blocks):
+    """5- and 6-bit codes keep their low four bits as the 4-bit layer's nibbles and the
+    rest a bit a weight: the nibbles are those of the codes as a 4-bit layer lays them
+    out, and the planes hold each code's high bits once, at the place the operator
+    unpacks its nibble (whole steps of 16 blocks, and tails of 2 and 3 blocks)."""
+    qt = _weight(fmt, 24, 32 * blocks, seed=blocks)
+    cols = qt.padded_cols  # a group of 64 pads 35 blocks to 36
+    blocks = cols // 32
+    lin = TorchOps("cpu").pack_linear(qt, dtype=torch.bfloat16)
+    assert isinstance(lin, Q4GemvLinear) and lin.planes == qt.fmt.bits - 4
+    offset = -qt.fmt.qmin if qt.fmt.mins else 8 << lin.planes
+    u = qt.codes().to(torch.int16) + offset  # 0 .. 2^bits - 1
+    assert int(u.min()) >= 0 and int(u.max()) < 1 << qt.fmt.bits
+    # the nibbles: a 4-bit layer of the codes' low four bits (its own layout)
+    scales = torch.ones(24, blocks, dtype=torch.float16)
+    four = QuantizedTensor(weight_format("Q4G32"), (24, cols), pack_codes((u & 15) - 8, 4), scales)
+    assert torch.equal(lin.codes, Q4GemvLinear(four).codes)
+    # the planes: unpacking the operator's chunks gives every column's high bits once
+    bits = torch.stack([(lin.high >> i) & 1 for i in range(8)], dim=2).reshape(24, -1)
+    order = cpu_gemv._high_bit_order(blocks)
+    assert sorted(order.tolist()) == list(range(cols))
+    chunk_cols = order.split([min(128, cols - c) for c in range(0, cols, 128)])
+    at = 0
+    for chunk in chunk_cols:
+        for p in range(lin.planes):
+            assert torch.equal(bits[:, at : at + len(chunk)], ((u >> (4 + p)) & 1)[:, chunk])
+            at += len(chunk)
+    assert at == bits.shape[1]
+    # 5 bits and a scale per 32 with a min: 6 bits a weight; 6 bits, a scale per 16: 7
+    per_weight = 8 * lin.nbytes / (24 * cols)
+    assert per_weight == qt.fmt.bits + 16 * (2 if qt.fmt.mins else 1) / qt.fmt.group
 
 
 def test_other_dtypes_are_not_taken():

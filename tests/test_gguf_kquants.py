@@ -1,14 +1,14 @@
 """ggml types kept in codes of ours that are not their own layout: Q4_K as Q4G32M, Q6_K as
-W8G16, Q5_0 as W8G32 (the types of llama.cpp's Q4_K_M files); Q3_K as Q3G16, Q2_K as
-Q2G16M (their own codes, on the 4-bit GEMV), IQ4_NL and IQ4_XS as W8G32 (their values
-are 8-bit codes).
+Q6G16, Q5_K as Q5G32M, Q5_0 as Q5G32 (the types of llama.cpp's Q4_K_M and Q5_K_M files);
+Q3_K as Q3G16, Q2_K as Q2G16M (all of them their own codes, on the 4-bit GEMV), IQ4_NL and
+IQ4_XS as W8G32 (their values are 8-bit codes).
 
 The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Q5_0's values equal it
 bit for bit, and so do IQ4_NL's; the K-quants' (IQ4_XS among them) to within one fp16
 rounding of each sub-block's scale and min, and bit for bit where those products are fp16
-values already. The W8G16 GEMV is checked
-against float64 math; a tiny Llama written with K-quant matrices (mixed per layer as
-llama.cpp's Q4_K_M mixes them) loads with them kept and gives transformers' logits.
+values already. The W8G16 GEMV is checked against float64 math; a tiny Llama written
+with K-quant matrices (mixed per layer as llama.cpp's Q4_K_M mixes them) loads with them
+kept and gives transformers' logits.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def term_bound(type_name: str, blocks: np.ndarray, cols: int) -> np.ndarray:
 
 
 def test_which_types_are_kept():
-    assert kept_format("Q4_K") == "Q4G32M" and kept_format("Q6_K") == "W8G16"
-    assert kept_format("Q5_K") == "W8G32M" and kept_format("Q5_1") == "W8G32M"
-    assert kept_format("Q5_0") == "W8G32"
+    assert kept_format("Q4_K") == "Q4G32M" and kept_format("Q6_K") == "Q6G16"
+    assert kept_format("Q5_K") == "Q5G32M" and kept_format("Q5_1") == "Q5G32M"
+    assert kept_format("Q5_0") == "Q5G32"
     assert kept_format("Q3_K") == "Q3G16" and kept_format("Q2_K") == "Q2G16M"
     assert kept_format("IQ4_NL") == "W8G32" and kept_format("IQ4_XS") == "W8G32"
     assert kept_format("IQ2_XXS") is None and kept_format("F16") is None
@@ -116,7 +116,8 @@ def test_the_test_encoders_write_what_gguf_py_reads(type_name):
     back = ggml_values(type_name, blocks)
     rel = np.linalg.norm(back - w) / np.linalg.norm(w)
     # plain absmax scales (no search): loose at 2 and 3 bits, as a test file needs
-    limit = {"Q2_K": 0.4, "Q3_K": 0.25, "Q4_K": 0.12, "IQ4_XS": 0.12}.get(type_name, 0.03)
+    limits = {"Q2_K": 0.4, "Q3_K": 0.25, "Q4_K": 0.12, "Q5_K": 0.06, "IQ4_XS": 0.12}
+    limit = limits.get(type_name, 0.03)
     assert rel < limit, rel
 
 
@@ -215,7 +216,7 @@ def test_gemv_over_kept_codes_against_float64(type_name):
     w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
     qt = from_ggml_blocks(type_name, ENCODERS[type_name](w), (rows, cols))
     layer = cpu_gemv.codes_linear(qt)
-    want = cpu_gemv.Q4GemvLinear if qt.fmt.bits <= 4 else cpu_gemv.Q8GemvLinear
+    want = cpu_gemv.Q4GemvLinear if qt.fmt.bits <= 6 else cpu_gemv.Q8GemvLinear
     assert isinstance(layer, want)
     # the prefill path's rows are the codes' exact values
     assert torch.equal(layer.weight_rows(0, rows, torch.float32), qt.dequantize(torch.float32))
@@ -264,16 +265,16 @@ def test_a_scale_per_16_on_4_bit_codes():
 # A model written with K-quants, end to end
 # --------------------------------------------------------------------------
 
-#: Layer 0 uniform per fused group (kept); layer 1's q|k|v mixes Q4_K and Q6_K, as
-#: llama.cpp's Q4_K_M does in some layers (that group is held as W8G16M, the same values),
-#: and its o is Q5_0; layer 2 has the types of Q2_K and Q3_K_M files (q and k Q3_K beside
+#: Layer 0 uniform per fused group (kept), its o Q5_K; layer 1's q|k|v mixes Q4_K and
+#: Q6_K, as llama.cpp's Q4_K_M does in some layers (that group is held as Q6G16M, the same
+#: values), and its o is Q5_0; layer 2 has the types of Q2_K and Q3_K_M files (q and k Q3_K beside
 #: a Q4_K v: held as Q4G16M) and IQ4_XS. Untied Q6_K head.
 TYPES = {
     "token_embd.weight": "Q4_K",
     "blk.0.attn_q.weight": "Q4_K",
     "blk.0.attn_k.weight": "Q4_K",
     "blk.0.attn_v.weight": "Q4_K",
-    "blk.0.attn_output.weight": "Q6_K",
+    "blk.0.attn_output.weight": "Q5_K",
     "blk.0.ffn_gate.weight": "Q4_K",
     "blk.0.ffn_up.weight": "Q4_K",
     "blk.0.ffn_down.weight": "Q6_K",
@@ -349,8 +350,8 @@ def test_k_quant_matrices_load_kept(path):
         weight = art.load_weight(name)
         kept += 1
         assert isinstance(weight, QuantizedTensor), name
-        held = ("Q4G32M", "W8G16", "W8G32", "Q3G16", "Q2G16M")
-        held = "W8G16M" if name in MIXED_GROUP else "Q4G16M" if name in MIXED_NIBBLES else held
+        held = ("Q4G32M", "Q6G16", "Q5G32M", "Q5G32", "W8G32", "Q3G16", "Q2G16M")
+        held = "Q6G16M" if name in MIXED_GROUP else "Q4G16M" if name in MIXED_NIBBLES else held
         assert weight.fmt.name == art.tensor_format(name) in held, name
         dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
         err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
@@ -382,9 +383,11 @@ def test_bf16_runs_the_kept_codes(path):
     loaded = _load(path, "bf16")
     model = loaded[0].model
     if cpu_gemv.available():
-        assert isinstance(model.layers[0].mlp.down_proj, cpu_gemv.Q8GemvLinear)
+        # Q6_K's, Q5_K's and Q4_K's codes on the 4-bit GEMV (5 and 6 bits with high bits)
+        for proj in (model.layers[0].mlp.down_proj, model.layers[0].self_attn.o_proj,
+                     model.layers[1].self_attn.qkv_proj, model.packed_head):  # fmt: skip
+            assert isinstance(proj, cpu_gemv.Q4GemvLinear) and proj.high is not None
         assert isinstance(model.layers[0].mlp.gate_up_proj, cpu_gemv.Q4GemvLinear)
-        assert isinstance(model.packed_head, cpu_gemv.Q8GemvLinear)
         for proj in (model.layers[2].self_attn.qkv_proj, model.layers[2].mlp.gate_up_proj):
             assert isinstance(proj, cpu_gemv.Q4GemvLinear)  # Q3_K|Q4_K's and Q2_K's codes
         assert isinstance(model.layers[2].self_attn.o_proj, cpu_gemv.Q8GemvLinear)  # IQ4_XS
@@ -408,7 +411,7 @@ def test_convert_keeps_the_codes(path, tmp_path, capsys):
     out = tmp_path / "tiny-k.ninfer"
     assert main(["convert", str(path), str(out), "--no-progress", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    kept = {"Q4G32M", "W8G16", "W8G32", "W8G16M", "Q3G16", "Q2G16M", "Q4G16M"}
+    kept = {"Q4G32M", "Q6G16", "Q5G32M", "Q5G32", "W8G32", "Q6G16M", "Q3G16", "Q2G16M", "Q4G16M"}
     assert kept <= set(summary["by_format"])
     src, packed = open_artifact(create_host(), path), open_artifact(create_host(), out)
     for name in src.tensor_names():
@@ -417,4 +420,4 @@ def test_convert_keeps_the_codes(path, tmp_path, capsys):
             assert torch.equal(packed.load_weight(name).to_stored(),
                                src.load_weight(name).to_stored()), name  # fmt: skip
     assert main(["inspect", str(out)]) == 0
-    assert "8-bit codes, fp16 scale per 16" in capsys.readouterr().out
+    assert "6-bit codes, fp16 scale per 16 (ggml Q6_K)" in capsys.readouterr().out

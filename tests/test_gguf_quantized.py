@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 Q = gguf.GGMLQuantizationType
 
 #: Layer 0: every fused group uniform (kept); layer 1: q|k|v mixed (held as W8G32), gate|up
-#: beside an F16 up (dense), a Q5_1 down (W8G32M); layer 2: an MXFP4 down (dequantized).
+#: beside an F16 up (dense), a Q5_1 down (Q5G32M); layer 2: an MXFP4 down (dequantized).
 #: The untied head is Q8_0.
 TYPES = {
     "token_embd.weight": Q.Q8_0,
@@ -71,7 +71,7 @@ KEPT = {
     L1 + "self_attn.q_proj.weight": "W8G32",  # Q4_0, widened beside ...
     L1 + "self_attn.k_proj.weight": "W8G32",
     L1 + "self_attn.v_proj.weight": "W8G32",  # ... a Q8_0 v
-    L1 + "mlp.down_proj.weight": "W8G32M",  # Q5_1
+    L1 + "mlp.down_proj.weight": "Q5G32M",  # Q5_1
 }
 IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 

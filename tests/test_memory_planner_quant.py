@@ -46,19 +46,17 @@ def stored(fmt_name: str, rows: int, cols: int) -> int:
 
 
 def int4_packed(fmt_name: str, rows: int, cols: int) -> int:
-    """What CPU bf16 holds. 4-bit codes on the Q4 GEMV: half a byte a code and an fp16
-    scale per group. 8-bit codes on the Q8 GEMV: the stored codes and scales
-    themselves; 5- and 6-bit codes on it: widened to a byte a code, and the fp16 scales.
-    Otherwise torch's int4 kernel: half a byte a code (two codes for 5-8 bits), rows up
-    to 16, bf16 scale + zero."""
+    """What CPU bf16 holds. 4-, 5- and 6-bit codes on the Q4 GEMV: half a byte a code,
+    an eighth of a byte per bit beyond 4, and an fp16 scale per group. 8-bit codes on the
+    Q8 GEMV: the stored codes and scales themselves. Otherwise torch's int4 kernel: half
+    a byte a code (two codes for 5-8 bits), rows up to 16, bf16 scale + zero."""
     fmt = weight_format(fmt_name)
     kp = -(-cols // fmt.group) * fmt.group
-    if fmt.bits == 4 and cpu_gemv.available():
-        return rows * kp // 2 + rows * (kp // fmt.group) * 2 * (2 if fmt.mins else 1)
+    if fmt.bits <= 6 and cpu_gemv.available():
+        codes = rows * kp // 2 + rows * kp // 8 * (fmt.bits - 4)
+        return codes + rows * (kp // fmt.group) * 2 * (2 if fmt.mins else 1)
     if fmt.bits == 8 and cpu_gemv.available():
         return stored(fmt_name, rows, cols)
-    if fmt.bits in (5, 6) and cpu_gemv.available():
-        return rows * kp + rows * (kp // fmt.group) * 2
     k = kp * (2 if fmt.bits > 4 else 1)
     n = -(-rows // 16) * 16
     return n * k // 2 + n * (k // fmt.group) * 4

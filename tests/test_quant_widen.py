@@ -25,12 +25,18 @@ def _fmt(*names: str):
         (("Q4G32", "Q4G32M"), "Q4G32M"),  # Q4_0 beside Q4_1
         (("Q4G32", "W8G32"), "W8G32"),  # Q4_0 q, k beside a Q8_0 v
         (("Q4G32M", "W8G32"), "W8G32M"),  # Q4_1 gate beside a Q5_0 up
-        (("Q4G32M", "W8G16"), "W8G16M"),  # Q4_K q, k beside a Q6_K v (Q4_K_M)
+        (("Q4G32M", "W8G16"), "W8G16M"),
+        (("Q4G32M", "Q6G16"), "Q6G16M"),  # Q4_K q, k beside a Q6_K v (Q4_K_M)
+        (("Q5G32M", "Q6G16"), "Q6G16M"),  # Q5_K q, k beside a Q6_K v (Q5_K_M)
+        (("Q4G32M", "Q5G32"), "Q5G32M"),  # Q4_1 gate beside a Q5_0 up
+        (("Q3G16", "Q5G32M"), "Q6G16M"),  # no Q5G16M: the next width that has the group
+        (("Q6G16", "W8G32"), "W8G16"),
         (("Q3G16", "Q4G32M"), "Q4G16M"),  # Q3_K q, k beside a Q4_K v (Q3_K_M)
         (("Q2G16M", "Q3G16"), "Q4G16M"),  # Q2_K q, k beside a Q3_K v (Q2_K)
         (("Q3G16", "Q4G32"), "Q4G16"),
         (("Q3G16", "W8G32"), "W8G16"),  # beside an 8-bit part: 8-bit codes
-        (("Q6G64", "Q4G64"), None),  # no 8-bit format of groups of 64
+        (("Q6G64", "Q4G64"), "Q6G64"),  # the `mixed` recipe's widths
+        (("Q6G64", "Q5G32M"), "W8G32M"),  # no Q6G32M: 8-bit codes
         (("Q4G32", "fp16"), None),  # a dense part
     ],
 )
@@ -57,6 +63,12 @@ def test_the_common_format(parts, held):
         ("Q3G16", "Q4G16"),
         ("Q4G32", "Q4G16"),
         ("Q3G16", "W8G16M"),
+        ("Q4G32M", "Q6G16M"),
+        ("Q5G32M", "Q6G16M"),
+        ("Q6G16", "Q6G16M"),
+        ("Q5G32", "Q5G32M"),
+        ("Q3G16", "Q6G16M"),
+        ("Q6G16", "W8G16M"),
     ],
 )
 @pytest.mark.parametrize("cols", [100, 160])  # 100: padding beyond the last group

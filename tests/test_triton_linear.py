@@ -18,7 +18,7 @@ from triton_helpers import interpreted_module, run_compile_script
 from ninfer_core.quant.formats import weight_format
 from ninfer_core.quant.tensor import QuantizedTensor, quantize
 
-FORMATS = ("Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M")
+FORMATS = ("Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M", "Q5G32", "Q5G32M")
 OUT = 37
 #: Largest error relative to the reference output's RMS.
 TOLERANCE = {torch.float16: 1e-2, torch.float32: 1e-5}

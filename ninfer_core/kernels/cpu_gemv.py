@@ -19,6 +19,7 @@ Without either, `available()` says why: dense bf16 weights stay on oneDNN
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
 from ninfer_core.model.ops import PackedLinear
-from ninfer_core.quant.codes import pack_codes
 from ninfer_core.quant.formats import WeightFormat
 from ninfer_core.quant.tensor import QuantizedTensor
 
@@ -83,7 +83,23 @@ def unavailable() -> str | None:
         log.warning("CPU GEMV kernels not built, dense bf16 decode stays on oneDNN: %s", reason)
         return reason
     _register_fake()
+    _key_compiled_graphs()
     return None
+
+
+def _key_compiled_graphs() -> None:
+    """Key the compiler's graph cache on these operators' sources. A compiled step calls
+    them from C++ by their schema, and inductor's cache does not key on a library's code:
+    a graph cached before an operator changed (an argument added, even with a default)
+    would call it with the old arguments and crash the process."""
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(Path(source).read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    tag = f"ninfer_cpu-{digest.hexdigest()[:16]}"
+    config = torch.compiler.config
+    if tag not in config.cache_key_tag.split():
+        config.cache_key_tag = f"{config.cache_key_tag} {tag}".strip()
 
 
 def available() -> bool:
@@ -143,7 +159,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::gemv_q4")
-    def _(x, codes, scales, mins):
+    def _(x, codes, scales, mins, high=None):
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::gemv_q8")
@@ -151,7 +167,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::dequantize_q4")
-    def _(codes, scales, mins, start, n, bf16):
+    def _(codes, scales, mins, start, n, bf16, high=None):
         dtype = torch.bfloat16 if bf16 else torch.float32
         return codes.new_empty((n, 2 * codes.shape[1]), dtype=dtype)
 
@@ -190,18 +206,16 @@ def codes_supported(
 
 
 def codes_linear(w: QuantizedTensor) -> Q4GemvLinear | Q8GemvLinear:
-    """The GEMV layer of a `codes_supported` weight: codes of up to 4 bits on the 4-bit
-    GEMV, wider ones on the 8-bit."""
-    return Q4GemvLinear(w) if w.fmt.bits <= 4 else Q8GemvLinear(w)
+    """The GEMV layer of a `codes_supported` weight: codes of up to 6 bits on the 4-bit
+    GEMV (nibbles, and planes of high bits past 4), 8-bit ones on the 8-bit."""
+    return Q4GemvLinear(w) if w.fmt.bits in Q4GemvLinear.TAKES else Q8GemvLinear(w)
 
 
 def codes_linear_nbytes(fmt: WeightFormat, shape: tuple[int, int]) -> int | None:
     """Bytes `codes_linear` holds beyond the loaded weight, from the shape alone: a 2- to
-    4-bit layer's re-laid copy in nibbles, a 5- or 6-bit one's codes widened to 8 bits;
-    None for 8 bits, which holds the loaded codes and scales."""
-    if fmt.bits <= 4:
-        return Q4GemvLinear.nbytes_for(fmt, shape)
-    return None if fmt.bits == 8 else Q8GemvLinear.nbytes_for(fmt, shape)
+    6-bit layer's re-laid copy in nibbles and high bits; None for 8 bits, which holds the
+    loaded codes and scales."""
+    return Q4GemvLinear.nbytes_for(fmt, shape) if fmt.bits in Q4GemvLinear.TAKES else None
 
 
 class GemvLinear(PackedLinear):
@@ -329,6 +343,26 @@ def _interleave_blocks(code_bytes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def _high_bit_order(blocks: int) -> torch.Tensor:
+    """The columns of a row's codes in the order `gemv_q4` unpacks them, chunk by chunk:
+    per chunk of 64 code bytes, the columns of its low nibbles as the operator's 64-byte
+    vector holds them, then those of its high nibbles (16 a block in the row's tail, where
+    a chunk may hold fewer than 4 blocks). A chunk's planes of high bits follow this
+    order, a bit a column (`Q4GemvLinear`)."""
+    parts = []
+    for b, t in _steps(blocks):
+        if t == _STEP_BLOCKS:  # chunk c, lane l, byte i: column 4c + i of block b + l
+            c, lane, i = torch.meshgrid(torch.arange(4), torch.arange(16), torch.arange(4),
+                                        indexing="ij")  # fmt: skip
+            cols = (32 * (b + lane) + 4 * c + i).reshape(4, 64)
+        else:  # four blocks a chunk, each block's 16 columns in order
+            cols = 32 * b + torch.arange(32 * t).view(t, 32)[:, :16].reshape(-1)
+            cols = list(cols.split(64))
+        for chunk in cols:
+            parts += [chunk, chunk + 16]
+    return torch.cat(parts)
+
+
 class Q4GemvLinear(_CodesGemvLinear):
     """A 4-bit `[out, in]` weight (Q4_0, Q4_1, Q4G64, ...) for `ninfer_cpu::gemv_q4`:
     1.15-1.25x torch's int4 kernel over SmolLM2's and Qwen3-0.6B's layers, out of cache.
@@ -342,10 +376,17 @@ class Q4GemvLinear(_CodesGemvLinear):
     2- and 3-bit codes (Q2G16M, Q3G16: ggml's Q2_K and Q3_K, a scale per 16 columns) are
     held as nibbles, 5 or 6 bits a weight with the scales: their stored values where the
     format has mins (`w = u * d + m`), `code + 8` where it is symmetric (`w = (u - 8) d`).
+
+    5- and 6-bit codes (Q5G32, Q5G32M, Q6G16, Q6G64, ...: ggml's Q5_0, Q5_K and Q6_K) keep
+    their low four bits as nibbles and the rest in one or two planes of high bits, a bit a
+    weight each, in the order the operator unpacks the nibbles (`_high_bit_order`; plane p
+    of a chunk after plane p - 1). Symmetric codes are stored `code + 16` or `code + 32`
+    (`w = (u - 16) d`, `(u - 32) d`). Held so, Q5_K takes 6 bits a weight and Q6_K 7,
+    where 8-bit codes took 9.
     """
 
     BITS = 4
-    TAKES = (2, 3, 4)
+    TAKES = (2, 3, 4, 5, 6)
     #: Rows converted at a time at load (bounds the int8 codes in flight).
     CHUNK_ROWS = 4096
 
@@ -355,15 +396,25 @@ class Q4GemvLinear(_CodesGemvLinear):
         extra = self.padded_in % 32
         self.padded_in += extra
         rows, blocks = self.out_features, self.padded_in // 32
-        offset = -w.fmt.qmin if w.fmt.mins else 8  # code -> the nibble the operator reads
+        self.planes = max(0, w.fmt.bits - 4)  # of high bits
+        # code -> the value the operator reads: the stored value with mins, else the code
+        # plus 8, 16 or 32 (the operator's symmetric offset)
+        offset = -w.fmt.qmin if w.fmt.mins else 8 << self.planes
         self.codes = torch.empty(rows, self.padded_in // 2, dtype=torch.uint8)
+        self.high = (
+            torch.empty(rows, self.padded_in // 8 * self.planes, dtype=torch.uint8)
+            if self.planes
+            else None
+        )
+        order = _high_bit_order(blocks) if self.planes else None
         for start in range(0, rows, self.CHUNK_ROWS):
             part = w.narrow_rows(start, min(self.CHUNK_ROWS, rows - start))
-            c = F.pad(part.codes(), (0, extra))
-            u = (c + offset).to(torch.uint8).view(-1, blocks, 2, 16)  # 0..15
-            self.codes[start : start + u.shape[0]] = _interleave_blocks(
-                u[:, :, 0] | (u[:, :, 1] << 4)
-            )
+            u = (F.pad(part.codes(), (0, extra)) + offset).to(torch.uint8)  # 0 .. 2^bits - 1
+            nib = (u & 15).view(-1, blocks, 2, 16)
+            end = start + u.shape[0]
+            self.codes[start:end] = _interleave_blocks(nib[:, :, 0] | (nib[:, :, 1] << 4))
+            if self.high is not None:
+                self.high[start:end] = _high_planes(u, order, self.planes)
         # Copies, not views of the loaded tensors: a tied head's layer then holds what
         # `nbytes_for` says beside the embedding table, which keeps its own (the planner
         # counts both).
@@ -378,21 +429,39 @@ class Q4GemvLinear(_CodesGemvLinear):
         groups = padded // fmt.group
         if padded % 32:
             padded, groups = padded + 16, groups + 1
-        return rows * padded // 2 + rows * groups * 2 * (2 if fmt.mins else 1)
+        high = rows * padded // 8 * max(0, fmt.bits - 4)
+        return rows * padded // 2 + high + rows * groups * 2 * (2 if fmt.mins else 1)
 
     @property
     def nbytes(self) -> int:
         mins = 0 if self.mins is None else self.mins.numel() * 2
-        return self.codes.numel() + self.scales.numel() * 2 + mins
+        high = 0 if self.high is None else self.high.numel()
+        return self.codes.numel() + high + self.scales.numel() * 2 + mins
 
     def _dequantize(self, start: int, n: int, bf16: bool) -> torch.Tensor:
-        """`u * d + m` (`m = -8 d` for a symmetric format)."""
+        """`u * d + m` (`m = -8 d`, `-16 d` or `-32 d` for a symmetric format)."""
         return torch.ops.ninfer_cpu.dequantize_q4(
-            self.codes, self.scales, self.mins, start, n, bf16
+            self.codes, self.scales, self.mins, start, n, bf16, self.high
         )
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins)
+        return torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins, self.high)
+
+
+def _high_planes(u: torch.Tensor, order: torch.Tensor, planes: int) -> torch.Tensor:
+    """Codes `u` [rows, K] (uint8) -> their bits 4 .. 3 + planes as `gemv_q4` reads them,
+    [rows, planes * K / 8]: per chunk of `order` (64 code bytes: 128 columns, fewer in a
+    row's tail), plane 0's bits, then plane 1's, eight a byte, the first in bit 0."""
+    rows, cols = u.shape
+    bits = torch.stack([(u >> (4 + p)) & 1 for p in range(planes)], dim=1)[:, :, order]
+    # the chunks of `order` are 128 columns but the tail's last; split them alike
+    sizes = [128] * (cols // 512 * 4) + [128] * ((cols % 512) // 128)
+    if cols % 128:
+        sizes.append(cols % 128)
+    chunks = [part.reshape(rows, -1) for part in bits.split(sizes, dim=2)]
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    packed = torch.cat(chunks, dim=1).view(rows, -1, 8) * weights
+    return packed.sum(dim=2, dtype=torch.uint8)
 
 
 class Q8GemvLinear(_CodesGemvLinear):
@@ -400,47 +469,22 @@ class Q8GemvLinear(_CodesGemvLinear):
     `ninfer_cpu::gemv_q8`: 1.6x torch's int4 kernel over the same codes as two 4-bit
     halves (SmolLM2's head, 49152 x 576: 1.0 against 1.6 ms). It holds the loaded codes
     (stored as `code + 128`, the unsigned operand VNNI multiplies) and scales themselves:
-    a tied head shares the embedding's bytes. A format with mins (W8G32M, W8G16M: a
-    GGUF's Q5_1, Q5_K and mixed fused groups) computes `u * d + m`.
-
-    5- and 6-bit codes (Q5G64, Q6G64: the `mixed` recipe's o, down and head) are widened
-    to 8 bits once, at load: the same values, 8.25 bits a weight held. They ran on torch's
-    int4 kernel as two 4-bit halves before, 1.3-1.7x slower over SmolLM2's `mixed` file.
-    Unpacking 5 or 6 bits on every step would save bytes but not the multiplies, which
-    bind these GEMVs (docs/performance.md)."""
+    a tied head shares the embedding's bytes. A format with mins (W8G32M, W8G16M: mixed
+    fused groups with an 8-bit part) computes `u * d + m`."""
 
     BITS = 8
-    TAKES = (5, 6, 8)
-    #: Rows widened at a time at load (bounds the int8 codes in flight).
-    CHUNK_ROWS = 4096
+    TAKES = (8,)
 
     def __init__(self, w: QuantizedTensor) -> None:
         super().__init__(w)
-        if w.fmt.bits == 8:
-            self.codes = w.packed.contiguous()
-            self.scales = w.scales.contiguous()
-            self.mins = None if w.mins is None else w.mins.contiguous()
-        else:
-            self.codes = torch.empty(self.out_features, self.padded_in, dtype=torch.uint8)
-            for start in range(0, self.out_features, self.CHUNK_ROWS):
-                part = w.narrow_rows(start, min(self.CHUNK_ROWS, self.out_features - start))
-                wide = pack_codes(part.codes(), 8)  # the same codes, stored as 8-bit ones
-                self.codes[start : start + wide.shape[0]] = wide
-            self.scales = w.scales.clone(memory_format=torch.contiguous_format)
+        self.codes = w.packed.contiguous()
+        self.scales = w.scales.contiguous()
+        self.mins = None if w.mins is None else w.mins.contiguous()
         if self.padded_in % 32:  # W8G16 rows of an odd number of 16s: one zero sub-block more
             self.codes = F.pad(self.codes, (0, 16), value=128)  # x is 0 there: any code
             self.scales = F.pad(self.scales, (0, 1))
             self.mins = None if self.mins is None else F.pad(self.mins, (0, 1))
             self.padded_in += 16
-
-    @staticmethod
-    def nbytes_for(fmt: WeightFormat, shape: tuple[int, int]) -> int:
-        """`nbytes` of the `Q8GemvLinear` of a `shape` matrix in `fmt`, from the shape."""
-        rows, padded = int(shape[0]), fmt.padded_cols(int(shape[1]))
-        groups = padded // fmt.group
-        if padded % 32:
-            padded, groups = padded + 16, groups + 1
-        return rows * padded + rows * groups * 2 * (2 if fmt.mins else 1)
 
     @property
     def nbytes(self) -> int:

@@ -117,6 +117,10 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("Q2G16M", 2, 16, mins=True),
         WeightFormat("Q4G16", 4, 16),
         WeightFormat("Q4G16M", 4, 16, mins=True),
+        WeightFormat("Q5G32", 5, 32),
+        WeightFormat("Q5G32M", 5, 32, mins=True),
+        WeightFormat("Q6G16", 6, 16),
+        WeightFormat("Q6G16M", 6, 16, mins=True),
     )
 }
 

@@ -23,10 +23,10 @@ They map onto our formats (`formats.py`) value for value:
   kept as it is and dequantizes to `-128 * d`, as ggml's does.
 - Q4_0 -> Q4G32: code `nib - 8`, scale `d`; the stored nibble is `nib` itself.
 - Q4_1 -> Q4G32M: stored value `nib`, scale `d`, min `m`.
-- Q5_0 -> W8G32: code `nib + 16 hb - 16`, 5 bits widened to our 8, scale `d` (llama.cpp's
-  Q4_K_M writes Q5_0 where a row is not a whole number of 256-weight super-blocks, as
-  SmolLM2's 576 columns are not).
-- Q5_1 -> W8G32M: stored value `nib + 16 hb`, scale `d`, min `m`.
+- Q5_0 -> Q5G32: code `nib + 16 hb - 16`, scale `d` (llama.cpp's Q4_K_M writes Q5_0
+  where a row is not a whole number of 256-weight super-blocks, as SmolLM2's 576 columns
+  are not).
+- Q5_1 -> Q5G32M: stored value `nib + 16 hb`, scale `d`, min `m`.
 - IQ4_NL (fp16 d, 16 nibble bytes in Q4_0's order) -> W8G32: weight `v[nib(i)] * d`,
   where `v` is a code book of sixteen integers in -127 .. 113, so the code is `v[nib]`
   itself, scale `d`.
@@ -41,8 +41,8 @@ keep their codes too, and so does IQ4_XS. Each 256-weight super-block holds an f
 | ggml type | bytes | sub-blocks | weight of sub-block `j`          | code u | our format |
 |-----------|-------|------------|----------------------------------|--------|------------|
 | Q4_K      | 144   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..15  | Q4G32M     |
-| Q5_K      | 176   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..31  | W8G32M     |
-| Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | W8G16      |
+| Q5_K      | 176   | 8 of 32    | `u * (d * sc[j]) - dmin * mn[j]` | 0..31  | Q5G32M     |
+| Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | Q6G16      |
 | Q3_K      | 110   | 16 of 16   | `(u - 4) * (d * (sc[j] - 32))`   | 0..7   | Q3G16      |
 | Q2_K      | 84    | 16 of 16   | `u * (d * sc[j]) - dmin * mn[j]` | 0..3   | Q2G16M     |
 | IQ4_XS    | 136   | 8 of 32    | `v[u] * (d * (sc[j] - 32))`      | 0..15  | W8G32      |
@@ -50,8 +50,8 @@ keep their codes too, and so does IQ4_XS. Each 256-weight super-block holds an f
 (Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8, Q3_K's and IQ4_XS's `sc`
 6-bit, Q2_K's `sc` and `mn` 4-bit; IQ4_XS's `v` is IQ4_NL's code book.)
 
-The codes are kept as they are (Q5_K's and Q6_K's widen to our 8-bit ones; IQ4_XS's
-nibbles become the values they name, 8-bit codes). The sub-block products `d * sc[j]`
+The codes are kept as they are (IQ4_XS's nibbles become the values they name, 8-bit
+codes). The sub-block products `d * sc[j]`
 and `dmin * mn[j]` are exact in fp32; ours are fp16, so each is rounded once: at most
 2^-11 of the scale for a normal fp16 value (ggml's own Q8_0 scales are fp16 too), against
 2^-9 of every weight had the tensor been dequantized to bf16. A product past fp16's range
@@ -80,15 +80,15 @@ GGML_FORMATS: dict[str, tuple[str, int, int]] = {
     "Q4_0": ("Q4G32", 18, 1),
     "Q4_1": ("Q4G32M", 20, 2),
     "Q8_0": ("W8G32", 34, 1),
-    "Q5_0": ("W8G32", 22, 1),
-    "Q5_1": ("W8G32M", 24, 2),
+    "Q5_0": ("Q5G32", 22, 1),
+    "Q5_1": ("Q5G32M", 24, 2),
     "IQ4_NL": ("W8G32", 18, 1),
 }
 #: ggml K-quant type name -> (our format, bytes per 256-weight super-block).
 K_FORMATS: dict[str, tuple[str, int]] = {
     "Q4_K": ("Q4G32M", 144),
-    "Q6_K": ("W8G16", 210),
-    "Q5_K": ("W8G32M", 176),
+    "Q6_K": ("Q6G16", 210),
+    "Q5_K": ("Q5G32M", 176),
     "Q3_K": ("Q3G16", 110),
     "Q2_K": ("Q2G16M", 84),
     "IQ4_XS": ("W8G32", 136),
@@ -205,13 +205,13 @@ def _q4_k(blocks: torch.Tensor) -> _Converted:
 
 def _q5_k(blocks: torch.Tensor) -> _Converted:
     """Q5_K super-blocks [r, g, 176] (fp16 d, fp16 dmin, the 12 scale bytes of Q4_K, 32
-    bytes of high bits, 128 of nibbles) -> W8G32M stored values `u` (0..31), and Q4_K's
-    scales and mins per 32 weights.
+    bytes of high bits, 128 of nibbles) -> Q5G32M codes (stored values `u`, 0..31), and
+    Q4_K's scales and mins per 32 weights.
 
     The nibbles run as Q4_K's; weight `j` of sub-block `k` takes its fifth bit from bit
     `k` of high byte `j`."""
     u = _k_nibbles(blocks[..., 48:176]) | (_k_high_bits(blocks[..., 16:48]) << 4)
-    return u, _k_scales_mins(blocks)
+    return pack_codes(u.reshape(-1, 256).to(torch.int16) - 16, 5), _k_scales_mins(blocks)
 
 
 def _k_high_bits(hbytes: torch.Tensor) -> torch.Tensor:
@@ -241,8 +241,8 @@ def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(blocks: torch.Tensor) -> _Converted:
     """Q6_K super-blocks [r, g, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16
-    int8 scales, fp16 d) -> W8G16 codes (`u - 32`, stored offset-binary), and per 16
-    weights the scale `d * sc` in fp32 (exact).
+    int8 scales, fp16 d) -> Q6G16 codes (`u - 32`), and per 16 weights the scale `d * sc`
+    in fp32 (exact).
 
     Weight `i` of a super-block (`i = 128 h + 64 s + j`, j < 64) takes its low four bits
     from nibble `s` of low byte `64 h + j`; with `i = 128 h + 32 t + j` (j < 32), its top
@@ -254,7 +254,7 @@ def _q6_k(blocks: torch.Tensor) -> _Converted:
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2).reshape(*lead, 256)
     u = low | (high << 4)  # 0..63, code u - 32
     sc = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)  # [r, g, 16]
-    return u + 96, (_fp16(blocks, 208) * sc,)  # stored u - 32 + 128
+    return pack_codes(u.reshape(-1, 256).to(torch.int16) - 32, 6), (_fp16(blocks, 208) * sc,)
 
 
 def _q3_k(blocks: torch.Tensor) -> _Converted:
@@ -348,19 +348,15 @@ def _q8_codes(qs: torch.Tensor) -> torch.Tensor:
     return qs ^ 0x80
 
 
-def _q5_values(rest: torch.Tensor) -> torch.Tensor:
+def _q5_codes(rest: torch.Tensor) -> torch.Tensor:
     """Q5_0's and Q5_1's 4 bytes of high bits and 16 of nibbles -> `q = nib(j) | (bit j of
-    the little-endian qh) << 4` (0..31, `nib` as Q4_0's), per block: Q5_1's W8G32M stored
-    values as they are (`w = q * d + m`)."""
+    the little-endian qh) << 4` (0..31, `nib` as Q4_0's), per block, packed as 5-bit codes
+    `q - 16`: Q5_0's code (`w = (q - 16) d`), and Q5_1's stored value `q` (`w = q d + m`)."""
     shifts = torch.arange(8, dtype=torch.uint8)
     high = ((rest[..., 0:4, None] >> shifts) & 1).reshape(*rest.shape[:-1], 32)
     qs = rest[..., 4:]
-    return torch.cat((qs & 15, qs >> 4), dim=-1) | (high << 4)
-
-
-def _q5_0_codes(rest: torch.Tensor) -> torch.Tensor:
-    """Q5_0 -> W8G32 stored values: code `q - 16`, offset-binary `q - 16 + 128`."""
-    return _q5_values(rest) + 112
+    q = torch.cat((qs & 15, qs >> 4), dim=-1) | (high << 4)
+    return pack_codes(q.reshape(-1, 32).to(torch.int16) - 16, 5)
 
 
 def _q4_codes(qs: torch.Tensor) -> torch.Tensor:
@@ -410,7 +406,7 @@ _CODES = {
     "Q4_0": _q4_codes,
     "Q4_1": _q4_codes,
     "Q8_0": _q8_codes,
-    "Q5_0": _q5_0_codes,
-    "Q5_1": _q5_values,
+    "Q5_0": _q5_codes,
+    "Q5_1": _q5_codes,
     "IQ4_NL": _iq4_codes,
 }

@@ -4,9 +4,10 @@ The dense family runs q|k|v and gate|up as one matrix, which holds one format. A
 may store the parts in different ones: llama.cpp's Q4_K_M writes `attn_v` in Q6_K beside
 Q4_K q and k in some layers, and older mixes put a Q8_0 v beside Q4_0 q and k. Loading
 such a group dense costs 16 bits a weight in bf16. Instead the group is held in the
-narrowest format that holds every part exactly (`common_format`): 4-bit codes where no
-part is wider (ggml's Q2_K and Q3_K beside Q4_K), else 8-bit; the narrowest group among
-the parts; mins where a part has them. Each part goes over (`widen`) as:
+narrowest format that holds every part exactly (`common_format`): the fewest bits of 4,
+5, 6 and 8 that no part exceeds (4 for ggml's Q2_K and Q3_K beside Q4_K, 6 for Q4_K
+beside Q6_K) for which the format exists; the narrowest group among the parts; mins
+where a part has them. Each part goes over (`widen`) as:
 
     symmetric part,  w = c * d          ->  the same code and scale
     asymmetric part, w = u * d + m      ->  the same stored u, scale and min
@@ -31,17 +32,19 @@ from ninfer_core.quant.tensor import QuantizedTensor
 
 def common_format(formats: Iterable[WeightFormat]) -> WeightFormat | None:
     """The narrowest format that holds every one of `formats` exactly (`Q4G16`, `Q4G16M`,
-    `Q4G32`, `Q4G32M`, `W8G32`, `W8G16`, `W8G32M`, `W8G16M`); None where there is none (a
-    part wider than 8 bits, or groups no such format divides)."""
+    `Q4G32`, `Q4G32M`, `Q5G32`, `Q5G32M`, `Q6G16`, `Q6G16M`, `W8G32`, `W8G16`, `W8G32M`,
+    `W8G16M`); None where there is none (a part wider than 8 bits, or groups no such
+    format divides)."""
     formats = list(formats)
     if not formats or not all(f.quantized and f.bits <= 8 for f in formats):
         return None
     group = min(f.group for f in formats)
     if any(f.group % group for f in formats):
         return None
-    bits = "Q4" if all(f.bits <= 4 for f in formats) else "W8"
+    widest = max(f.bits for f in formats)
     mins = "M" if any(f.mins for f in formats) else ""
-    return FORMATS.get(f"{bits}G{group}{mins}")
+    names = [f"Q{b}G{group}{mins}" for b in (4, 5, 6) if b >= widest] + [f"W8G{group}{mins}"]
+    return next((FORMATS[n] for n in names if n in FORMATS), None)
 
 
 def widen(q: QuantizedTensor, fmt: WeightFormat) -> QuantizedTensor:

@@ -4,10 +4,10 @@
 * Shapes: ggml lists dims contiguous-first (`[cols, rows]`); torch's order is the reverse.
 * Rows: llama.cpp's converter permutes the rows of Q and K of Llama-style models
   (`LlamaModel.permute`: each head's two rotary halves interleaved); `unpermute` undoes it.
-* Types: F32, F16 and BF16 load as they are stored. A 2-D Q4_0, Q4_1 or Q8_0 matrix can stay
-  in its blocks as a `QuantizedTensor` of ours (Q4G32, Q4G32M, W8G32: the same values; Q5_0
-  and Q5_1 widened to W8G32, W8G32M; IQ4_NL's values as W8G32 codes), and a Q2_K .. Q6_K
-  or IQ4_XS one in its codes (Q2G16M, Q3G16, Q4G32M, W8G32M, W8G16, W8G32: sub-block scales
+* Types: F32, F16 and BF16 load as they are stored. A 2-D Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0
+  matrix can stay in its blocks as a `QuantizedTensor` of ours (Q4G32, Q4G32M, Q5G32,
+  Q5G32M, W8G32: the same values; IQ4_NL's values as W8G32 codes), and a Q2_K .. Q6_K or
+  IQ4_XS one in its codes (Q2G16M, Q3G16, Q4G32M, Q5G32M, Q6G16, W8G32: sub-block scales
   rounded once to fp16; `ninfer_core.quant.ggml`); every other quantized type, and any
   tensor the artifact asks for dense, is dequantized to float32 by `gguf.quants.dequantize`.
 """
@@ -98,7 +98,7 @@ def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 
 def kept_format(tensor: ReaderTensor) -> str | None:
     """Our weight format for `tensor` kept in its ggml codes (`Q4G32`, `Q4G32M`, `W8G32`,
-    `W8G16`, ...), or None where it loads dense: a type `ggml.kept_format` does not keep,
+    `Q6G16`, ...), or None where it loads dense: a type `ggml.kept_format` does not keep,
     or not a matrix. Headers only; nothing is read."""
     from ninfer_core.quant import ggml
 

@@ -35,11 +35,12 @@ LINEAR_FORMATS: dict[str, tuple[int, bool]] = {
     "W8G32": (8, False),
     "Q4G32": (4, False),
     "Q4G32M": (4, True),
+    "Q5G32": (5, False),
 }
 #: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
-#: (`linear.pack_linear`): every other format of `FORMATS` (W8G16, Q3G16 and Q2G16M, a
-#: GGUF's Q6_K, Q3_K and Q2_K codes with a scale per 16 columns, and the formats of a
-#: GGUF's mixed fused groups).
+#: (`linear.pack_linear`): every other format of `FORMATS` (Q6G16, Q3G16 and Q2G16M, a
+#: GGUF's Q6_K, Q3_K and Q2_K codes with a scale per 16 columns; Q5G32M, whose layout no
+#: kernel instance here reads; and the formats of a GGUF's mixed fused groups).
 DEQUANTIZED_FORMATS = frozenset(n for n, f in FORMATS.items() if f.quantized) - set(LINEAR_FORMATS)
 #: Dense weights `linear` multiplies as they are (torch.matmul).
 DENSE_FORMATS = frozenset({"fp16", "bf16", "fp32"})

@@ -27,10 +27,13 @@ MIN_SM = 75
 #: bf16 arithmetic and tensor-core bf16 MMA arrived with Ampere.
 BF16_MIN_SM = 80
 #: Weight formats `linear.py`'s fused dequantize + GEMM kernels read as stored
-#: (`ninfer_core.quant.formats`: Q4_0 is Q4G32, Q4_1 Q4G32M, Q8_0 W8G32).
-LINEAR_FORMATS = frozenset({"Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M"})
+#: (`ninfer_core.quant.formats`: Q4_0 is Q4G32, Q4_1 Q4G32M, Q8_0 W8G32, Q5_0 Q5G32,
+#: Q5_1 and Q5_K Q5G32M).
+LINEAR_FORMATS = frozenset(
+    {"Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M", "Q5G32", "Q5G32M"}
+)
 #: Quantized formats no kernel here reads, dequantized once at load into the compute dtype
-#: (`linear.pack_linear`): every other format of `FORMATS`. W8G16, Q3G16 and Q2G16M (a
+#: (`linear.pack_linear`): every other format of `FORMATS`. Q6G16, Q3G16 and Q2G16M (a
 #: GGUF's Q6_K, Q3_K and Q2_K codes) have a scale per 16 columns, narrower than the
 #: kernels' K blocks; the rest hold a GGUF's mixed fused groups.
 DEQUANTIZED_FORMATS = frozenset(n for n, f in FORMATS.items() if f.quantized) - LINEAR_FORMATS

@@ -126,7 +126,9 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // format passes no mins: m = -8 d).
 // A block's 16 code bytes hold columns j (low nibble) and j + 16 (high), as ggml's
 // Q4_0/Q4_1 do, and a row's blocks are interleaved 16 at a time, four bytes of each
-// block in turn (`dot_q4`). `gemv_q8`: 8-bit codes stored u = code + 128,
+// block in turn (`dot_q4`). 5- and 6-bit codes (ggml's Q5_0, Q5_K, Q6_K) add one or two
+// planes of high bits to the nibbles (`add_high`): u = nibble + 16 h0 + 32 h1, and a
+// symmetric format's m = -16 d or -32 d. `gemv_q8`: 8-bit codes stored u = code + 128,
 // w = d * (u - 128) (ggml's Q8_0), or w = d * u + m with mins, a scale (and min) per
 // group of 1-16 blocks or per 16 columns (Q6_K's codes). x is quantized per call, per
 // block of 32, to two int8 planes (`quantize_x`), and `vpdpbusd` multiplies codes and x
@@ -302,22 +304,61 @@ inline void half_values(const uint16_t* d, int64_t b, int64_t left, __m512& lo, 
                _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1)), lo, hi);
 }
 
+// The bits of the `n` (at most 8) bytes at `p` as a mask: bit i of byte 0 first.
+inline __mmask64 bits_at(const uint8_t* p, int64_t n) {
+  uint64_t v = 0;
+  std::memcpy(&v, p, n);
+  return _cvtu64_mask64(v);
+}
+
+// A chunk's high-bit planes added to its unpacked codes: `lo` and `hi`, the low and high
+// nibbles of its 64 code bytes as bytes. A chunk of `blocks` blocks (4, fewer only at a
+// row's end) holds 4 * blocks bytes a plane: the bits of `lo`'s 16 * blocks bytes, then
+// `hi`'s, bit i for byte i. Plane p adds 16 << p where its bit is set: one masked add a
+// vector, so a 5- or 6-bit code costs its bytes and two or four instructions per 128.
+template <int kHigh>
+inline void add_high(const uint8_t* high, int64_t blocks, __m512i& lo, __m512i& hi) {
+  for (int p = 0; p < kHigh; ++p) {
+    const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << p));
+    const uint8_t* at = high + 4 * blocks * p;
+    lo = _mm512_mask_add_epi8(lo, bits_at(at, 2 * blocks), lo, add);
+    hi = _mm512_mask_add_epi8(hi, bits_at(at + 2 * blocks, 2 * blocks), hi, add);
+  }
+}
+
+// A step's integer sums scaled into `acc`: joined as 256 q + r where that stays below
+// 2^24 and converts to fp32 exactly (4-bit codes: at most 256 * 32 * 15 * 127 +
+// 32 * 15 * 127), else converted apart (5- and 6-bit codes reach 2^26). `scale`
+// includes the 1 / 256 of r.
+template <int kHigh>
+inline __m512 scaled_sums(__m512i q, __m512i r, __m512 scale, __m512 acc) {
+  if constexpr (kHigh == 0)
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(q, kFineShift), r)),
+                           scale, acc);
+  const __m512 coarse = _mm512_mul_ps(scale, _mm512_set1_ps(kFine));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), coarse,
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), scale, acc));
+}
+
 // The last t < 16 blocks of a 4-bit row, four blocks (16 lanes) a chunk, block j taking
 // lanes 4 (j % 4) .. 4 (j % 4) + 3: each chunk's joined sums scaled by a permute of the
 // blocks' scales (`quads`) into `acc`. With a scale per 16 columns (`kPer16`), the low
 // nibbles' sums take `scale` and the high ones' `scale_hi`.
-template <bool kPer16>
-inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const int8_t* xhi,
-                      const int8_t* xlo2, const int8_t* xhi2, __m512 scale, __m512 scale_hi,
-                      const __m512i* quads, __m512 acc) {
+// A lane sums at most eight products a plane of x, so 256 q + r stays below 2^24 with
+// 6-bit codes too.
+template <bool kPer16, int kHigh>
+inline __m512 tail_q4(const uint8_t* codes, const uint8_t* high, int64_t t, const int8_t* xlo,
+                      const int8_t* xhi, const int8_t* xlo2, const int8_t* xhi2, __m512 scale,
+                      __m512 scale_hi, const __m512i* quads, __m512 acc) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
   for (int c = 0; 4 * c < t; ++c) {
     const int64_t blocks = std::min<int64_t>(4, t - 4 * c);
     const __mmask64 cmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
     const int64_t at = 64 * c;
     const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
-    const __m512i lo = _mm512_and_si512(v, nib);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    __m512i lo = _mm512_and_si512(v, nib);
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if constexpr (kHigh > 0) add_high<kHigh>(high + 16 * kHigh * c, blocks, lo, hi);
     if constexpr (kPer16) {
       __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xlo + at));
       __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xhi + at));
@@ -350,9 +391,14 @@ inline __m512 tail_q4(const uint8_t* codes, int64_t t, const int8_t* xlo, const 
 // With a scale (and min) per 16 columns (`kPer16`: ggml's Q3_K and Q2_K), a block's low
 // nibbles are its first 16 columns and its high ones the other 16, so the low and high
 // sums stay apart (each below 2^24 too) and take their own scale.
-template <bool kMins, bool kPer16>
-inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn, int64_t nb,
-                    int gshift, __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
+//
+// 5- and 6-bit codes (`kHigh` planes of high bits, `add_high`) take the same steps, their
+// planes' bits added to the unpacked nibbles; the planes of a row's block b start at byte
+// 4 kHigh b of its `high` row, a chunk's 16 kHigh bytes after the last.
+template <bool kMins, bool kPer16, int kHigh>
+inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint16_t* d,
+                    const uint16_t* mn, int64_t nb, int gshift, __m512i expand, const QuantX& q,
+                    int64_t m, const __m512i* quads) {
   const __m512i nib = _mm512_set1_epi8(0x0f);
   const int8_t* xlo = q.lo.data() + m * q.blocks * 16;
   const int8_t* xhi = q.hi.data() + m * q.blocks * 16;
@@ -361,7 +407,7 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
   const float* dx = q.dx.data() + m * q.blocks;
   const float* sx = q.sx.data() + m * q.blocks;
   const float* sx16 = q.sx16.data() + m * q.blocks * 2;
-  const __m512 unfine = _mm512_set1_ps(1.f / kFine), off = _mm512_set1_ps(-8.f);
+  const __m512 unfine = _mm512_set1_ps(1.f / kFine), off = _mm512_set1_ps(-float(8 << kHigh));
   __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
@@ -387,8 +433,8 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
     }
     const int64_t at = b * 16;  // codes and x's planes: 256 bytes a step of 16 blocks
     if (left < 16) {
-      acc = tail_q4<kPer16>(codes + at, left, xlo + at, xhi + at, xlo2 + at, xhi2 + at, scale,
-                            scale_hi, quads, acc);
+      acc = tail_q4<kPer16, kHigh>(codes + at, high + 4 * kHigh * b, left, xlo + at, xhi + at,
+                                   xlo2 + at, xhi2 + at, scale, scale_hi, quads, acc);
       break;
     }
     // Four sums, two chains of dependent `vpdpbusd` each: a plane of x by half the codes.
@@ -397,25 +443,18 @@ inline float dot_q4(const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
       const uint8_t* chunk = codes + at + 64 * c;
       _mm_prefetch((const char*)chunk + kAhead, _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(chunk);
-      const __m512i lo = _mm512_and_si512(v, nib);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      __m512i lo = _mm512_and_si512(v, nib);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      if constexpr (kHigh > 0) add_high<kHigh>(high + 4 * kHigh * b + 16 * kHigh * c, 4, lo, hi);
       q0 = _mm512_dpbusd_epi32(q0, lo, _mm512_loadu_si512(xlo + at + 64 * c));
       q1 = _mm512_dpbusd_epi32(q1, hi, _mm512_loadu_si512(xhi + at + 64 * c));
       r0 = _mm512_dpbusd_epi32(r0, lo, _mm512_loadu_si512(xlo2 + at + 64 * c));
       r1 = _mm512_dpbusd_epi32(r1, hi, _mm512_loadu_si512(xhi2 + at + 64 * c));
     }
-    // 256 q + r per block: at most 256 * 32 * 15 * 127 + 32 * 15 * 127 < 2^24, so the
-    // conversion to fp32 is exact.
-    if constexpr (kPer16) {
-      const __m512i slo = _mm512_add_epi32(_mm512_slli_epi32(q0, kFineShift), r0);
-      const __m512i shi = _mm512_add_epi32(_mm512_slli_epi32(q1, kFineShift), r1);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), scale_hi,
-                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(slo), scale, acc));
-      continue;
-    }
-    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(q0, q1), kFineShift),
-                                          _mm512_add_epi32(r0, r1));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+    if constexpr (kPer16)
+      acc = scaled_sums<kHigh>(q1, r1, scale_hi, scaled_sums<kHigh>(q0, r0, scale, acc));
+    else
+      acc = scaled_sums<kHigh>(_mm512_add_epi32(q0, q1), _mm512_add_epi32(r0, r1), scale, acc);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(acc, macc));
 }
@@ -501,8 +540,20 @@ inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, const uint16_t* 
 }
 
 // The checks and the row loop both GEMVs over codes share.
+// The planes of high bits of a 4-bit weight's codes (0, 1 or 2: 4-, 5- or 6-bit codes),
+// from `high` [N, planes * K / 8], checked against codes [N, K / 2].
+int high_planes(const char* name, const std::optional<at::Tensor>& high, int64_t N, int64_t K) {
+  if (!high) return 0;
+  TORCH_CHECK(high->dim() == 2 && high->scalar_type() == at::kByte && high->is_contiguous() &&
+                  high->size(0) == N && K > 0 && K % 32 == 0 &&
+                  (high->size(1) == K / 8 || high->size(1) == K / 4),
+              name, ": high bits, contiguous uint8 [N, K / 8] (5-bit codes) or [N, K / 4] (6-bit)");
+  return static_cast<int>(high->size(1) * 8 / K);
+}
+
 at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& mins, int bits) {
+                      const std::optional<at::Tensor>& mins,
+                      const std::optional<at::Tensor>& high, int bits) {
   const char* name = bits == 4 ? "gemv_q4" : "gemv_q8";
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2, name,
               ": x [M, K], codes [N, K * bits / 8], scales [N, K / group]");
@@ -520,6 +571,9 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
               name, ": mins like scales");
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scales.contiguous();
   const at::Tensor mc = mins ? mins->contiguous() : at::Tensor();
+  const int planes = high_planes(name, high, N, K);
+  const auto* hp = planes ? high->data_ptr<uint8_t>() : nullptr;
+  const int64_t high_bytes = K / 8 * planes;
   thread_local QuantX q;  // reused across calls: no allocation per call
   quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, bits, q);
   at::Tensor y = at::empty({M, N}, xc.options());
@@ -547,30 +601,42 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
     at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t m = 0; m < M; ++m)
-          yp[m * N + n] = to_bf16(
-              dot(cp + n * row_bytes, dp + n * groups, mp ? mp + n * groups : nullptr, m));
+          yp[m * N + n] = to_bf16(dot(cp + n * row_bytes, hp ? hp + n * high_bytes : nullptr,
+                                      dp + n * groups, mp ? mp + n * groups : nullptr, m));
     });
   };
   using Row = const uint8_t*;
   using Values = const uint16_t*;
+  // A 4-bit row's loop for 0, 1 or 2 planes of high bits, chosen at compile time.
+  auto nibbles = [&](auto mins, auto per16_kind, auto high_kind) {
+    constexpr bool kMins = decltype(mins)::value, kPer16 = decltype(per16_kind)::value;
+    constexpr int kHigh = decltype(high_kind)::value;
+    rows([&](Row c, Row h, Values d, Values mn, int64_t m) {
+      return dot_q4<kMins, kPer16, kHigh>(c, h, d, mn, nb, g, expand, qx, m, quads);
+    });
+  };
+  auto by_planes = [&](auto mins, auto per16_kind) {
+    if (planes == 2)
+      nibbles(mins, per16_kind, std::integral_constant<int, 2>{});
+    else if (planes == 1)
+      nibbles(mins, per16_kind, std::integral_constant<int, 1>{});
+    else
+      nibbles(mins, per16_kind, std::integral_constant<int, 0>{});
+  };
   auto by_kind = [&](auto mins) {
     constexpr bool kMins = decltype(mins)::value;
     if (per16 && bits == 4)
-      rows([&](Row c, Values d, Values mn, int64_t m) {
-        return dot_q4<kMins, true>(c, d, mn, nb, g, expand, qx, m, quads);
-      });
+      by_planes(mins, std::true_type{});
     else if (per16)
-      rows([&](Row c, Values d, Values mn, int64_t m) {
+      rows([&](Row c, Row, Values d, Values mn, int64_t m) {
         return dot_q8_16<kMins>(c, d, mn, nb, qx, m, quads, pairs);
       });
     else if (bits == 8)
-      rows([&](Row c, Values d, Values mn, int64_t m) {
+      rows([&](Row c, Row, Values d, Values mn, int64_t m) {
         return dot_q8<kMins>(c, d, mn, nb, g, expand, qx, m, lanes);
       });
     else
-      rows([&](Row c, Values d, Values mn, int64_t m) {
-        return dot_q4<kMins, false>(c, d, mn, nb, g, expand, qx, m, quads);
-      });
+      by_planes(mins, std::false_type{});
   };
   if (mp)
     by_kind(std::true_type{});
@@ -580,13 +646,13 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
 }
 
 at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& mins) {
-  return gemv_codes(x, codes, scales, mins, 4);
+                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high) {
+  return gemv_codes(x, codes, scales, mins, high, 4);
 }
 
 at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const std::optional<at::Tensor>& mins) {
-  return gemv_codes(x, codes, scales, mins, 8);
+  return gemv_codes(x, codes, scales, mins, std::nullopt, 8);
 }
 
 // ------------------------------------------------ prefill rows from the codes
@@ -645,31 +711,53 @@ struct DequantRows {
   }
 };
 
-// Rows of a `gemv_q4` weight: a block's 16 bytes gathered from its interleaved step
-// (`_interleave_blocks`: dword c at 64 c + 4 (b % 16) of the step's 256 bytes), or read in
-// order in the row's tail.
+// Rows of a `gemv_q4` weight, a chunk of codes at a time unpacked as `dot_q4` reads it
+// (its nibbles, and the planes of high bits added by `add_high`), then each block's 32
+// codes gathered: in a whole step of 16 blocks, columns 4c..4c+3 of block l from lane l of
+// chunk c (`_interleave_blocks`); in the row's tail, a block's 16 bytes in order.
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t start, int64_t n,
-                         bool bf16) {
+                         bool bf16, const std::optional<at::Tensor>& high) {
   const DequantRows rows("dequantize_q4", codes, scales, mins, start, n, bf16, 4);
-  const int64_t nb = rows.K / 32, whole = nb / 16 * 16;
-  const __m512i nib = _mm512_set1_epi32(15);
+  const int planes = high_planes("dequantize_q4", high, codes.size(0), rows.K);
+  const int64_t high_bytes = rows.K / 8 * planes, nb = rows.K / 32, whole = nb / 16 * 16;
+  const uint8_t* hp = planes ? high->data_ptr<uint8_t>() + start * high_bytes : nullptr;
+  const float offset = -float(8 << planes);
+  const __m512i nib = _mm512_set1_epi8(0x0f);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    alignas(64) uint8_t lo[256], hi[256];  // a step's unpacked codes: chunk c at 64 c
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* c = rows.codes + r * (rows.K / 2);
-      for (int64_t b = 0; b < nb; ++b) {
-        __m128i bytes;
-        if (b < whole) {
-          const uint8_t* at = c + b / 16 * 256 + (b % 16) * 4;
-          int32_t w[4];
-          for (int k = 0; k < 4; ++k) std::memcpy(&w[k], at + 64 * k, 4);
-          bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-        } else {
-          bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b * 16));
+      const uint8_t* h = hp ? hp + r * high_bytes : nullptr;
+      for (int64_t b = 0; b < nb; b += 16) {
+        const int64_t left = std::min<int64_t>(16, nb - b);
+        for (int64_t k = 0; 4 * k < left; ++k) {  // the step's chunks
+          const int64_t blocks = b < whole ? 4 : std::min<int64_t>(4, left - 4 * k);
+          const __mmask64 cmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
+          const __m512i v = _mm512_maskz_loadu_epi8(cmask, c + b * 16 + 64 * k);
+          __m512i l = _mm512_and_si512(v, nib), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          const uint8_t* hk = h ? h + 4 * planes * b + 16 * planes * k : nullptr;
+          if (planes == 1) add_high<1>(hk, blocks, l, u);
+          if (planes == 2) add_high<2>(hk, blocks, l, u);
+          _mm512_store_si512(lo + 64 * k, l);
+          _mm512_store_si512(hi + 64 * k, u);
         }
-        const __m512i v = _mm512_cvtepu8_epi32(bytes);
-        rows.put(r, b * 32, _mm512_and_si512(v, nib), -8.f);  // low nibbles: columns 0..15
-        rows.put(r, b * 32 + 16, _mm512_srli_epi32(v, 4), -8.f);  // high: 16..31
+        for (int64_t j = 0; j < left; ++j) {
+          alignas(16) uint8_t col[32];  // the block's codes, columns 0..31
+          if (b < whole) {
+            for (int k = 0; k < 4; ++k) {
+              std::memcpy(col + 4 * k, lo + 64 * k + 4 * j, 4);
+              std::memcpy(col + 16 + 4 * k, hi + 64 * k + 4 * j, 4);
+            }
+          } else {
+            std::memcpy(col, lo + 16 * j, 16);
+            std::memcpy(col + 16, hi + 16 * j, 16);
+          }
+          const int64_t k0 = (b + j) * 32;
+          rows.put(r, k0, _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)col)), offset);
+          rows.put(r, k0 + 16, _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(col + 16))),
+                   offset);
+        }
       }
     }
   });
@@ -696,11 +784,11 @@ at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scales,
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_q4(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("gemv_q4(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? high=None) -> Tensor");
   m.def("gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
   m.def(
-      "dequantize_q4(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16) "
-      "-> Tensor");
+      "dequantize_q4(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16, "
+      "Tensor? high=None) -> Tensor");
   m.def(
       "dequantize_q8(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16) "
       "-> Tensor");
