@@ -304,11 +304,12 @@ inline void half_values(const uint16_t* d, int64_t b, int64_t left, __m512& lo, 
                _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1)), lo, hi);
 }
 
-// The bits of the `n` (at most 8) bytes at `p` as a mask: bit i of byte 0 first.
+// The bits of the `n` (at most 8) bytes at `p` as a mask: bit i of byte 0 first. One
+// masked load (no bytes past n are read), not a copy of a run-time length.
 inline __mmask64 bits_at(const uint8_t* p, int64_t n) {
-  uint64_t v = 0;
-  std::memcpy(&v, p, n);
-  return _cvtu64_mask64(v);
+  if (n == 8) return _cvtu64_mask64(*reinterpret_cast<const uint64_t*>(p));
+  const __m128i v = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p);
+  return _cvtu64_mask64(static_cast<uint64_t>(_mm_cvtsi128_si64(v)));
 }
 
 // A chunk's high-bit planes added to its unpacked codes: `lo` and `hi`, the low and high
