@@ -22,11 +22,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "W8G32", "W8G16", "Q5G64", "Q6G64", "W8G32M", "W8G16M",
-           "Q3G16", "Q2G16M", "Q5G32", "Q5G32M", "Q6G16", "Q6G16M"]  # fmt: skip
+           "Q3G16", "Q2G16M", "Q5G32", "Q5G32M", "Q6G16", "Q6G16M", "IQ4G32"]  # fmt: skip
 #: The formats the 4-bit layer runs: 4-bit codes, 2- and 3-bit ones with a scale per 16,
-#: and 5- and 6-bit ones (nibbles and planes of high bits).
+#: 5- and 6-bit ones (nibbles and planes of high bits) and a code book's indices.
 NIBBLE_FORMATS = ["Q4G32", "Q4G32M", "Q4G64", "Q3G16", "Q2G16M", "Q5G64", "Q6G64", "Q5G32",
-                  "Q5G32M", "Q6G16", "Q6G16M"]  # fmt: skip
+                  "Q5G32M", "Q6G16", "Q6G16M", "IQ4G32"]  # fmt: skip
 
 
 def _weight(fmt: str, out: int, inp: int, seed: int = 0):
@@ -187,11 +187,10 @@ def test_5_and_6_bit_codes_are_nibbles_and_planes_of_high_bits(fmt, blocks):
     assert torch.equal(lin.codes, Q4GemvLinear(four).codes)
     # the planes: unpacking the operator's chunks gives every column's high bits once
     bits = torch.stack([(lin.high >> i) & 1 for i in range(8)], dim=2).reshape(24, -1)
-    order = cpu_gemv._high_bit_order(blocks)
-    assert sorted(order.tolist()) == list(range(cols))
-    chunk_cols = order.split([min(128, cols - c) for c in range(0, cols, 128)])
+    chunks = cpu_gemv._high_bit_chunks(blocks)
+    assert sorted(torch.cat(chunks).tolist()) == list(range(cols))
     at = 0
-    for chunk in chunk_cols:
+    for chunk in chunks:
         for p in range(lin.planes):
             assert torch.equal(bits[:, at : at + len(chunk)], ((u >> (4 + p)) & 1)[:, chunk])
             at += len(chunk)

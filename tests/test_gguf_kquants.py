@@ -1,7 +1,7 @@
 """ggml types kept in codes of ours that are not their own layout: Q4_K as Q4G32M, Q6_K as
 Q6G16, Q5_K as Q5G32M, Q5_0 as Q5G32 (the types of llama.cpp's Q4_K_M and Q5_K_M files);
-Q3_K as Q3G16, Q2_K as Q2G16M (all of them their own codes, on the 4-bit GEMV), IQ4_NL and
-IQ4_XS as W8G32 (their values are 8-bit codes).
+Q3_K as Q3G16, Q2_K as Q2G16M, IQ4_NL and IQ4_XS as IQ4G32 (indices into its code book):
+all of them their own codes, on the 4-bit GEMV.
 
 The reference is gguf-py's dequantizer (`gguf.quants.dequantize`). Q5_0's values equal it
 bit for bit, and so do IQ4_NL's; the K-quants' (IQ4_XS among them) to within one fp16
@@ -99,7 +99,7 @@ def test_which_types_are_kept():
     assert kept_format("Q5_K") == "Q5G32M" and kept_format("Q5_1") == "Q5G32M"
     assert kept_format("Q5_0") == "Q5G32"
     assert kept_format("Q3_K") == "Q3G16" and kept_format("Q2_K") == "Q2G16M"
-    assert kept_format("IQ4_NL") == "W8G32" and kept_format("IQ4_XS") == "W8G32"
+    assert kept_format("IQ4_NL") == "IQ4G32" and kept_format("IQ4_XS") == "IQ4G32"
     assert kept_format("IQ2_XXS") is None and kept_format("F16") is None
     assert {fmt for fmt, _ in K_FORMATS.values()} <= set(FORMATS)
     assert from_ggml_blocks("IQ3_S", b"", (0, 256)) is None
@@ -176,7 +176,7 @@ def test_iq4_nl_blocks_are_ggmls_bit_for_bit():
     blocks[:, 0:2] = (rng.standard_normal((20, 1)) * 0.01).astype(np.float16).view(np.uint8)
     blocks = blocks.reshape(5, -1)
     qt = from_ggml_blocks("IQ4_NL", blocks, (5, 128))
-    assert qt.fmt.name == "W8G32"
+    assert qt.fmt.name == "IQ4G32"
     want = ggml_values("IQ4_NL", blocks)
     assert np.array_equal(qt.dequantize().numpy().view(np.uint32), want.view(np.uint32))
     # the scales are the blocks' own fp16 bits, the codes IQ4_NL's values themselves
@@ -350,17 +350,17 @@ def test_k_quant_matrices_load_kept(path):
         weight = art.load_weight(name)
         kept += 1
         assert isinstance(weight, QuantizedTensor), name
-        held = ("Q4G32M", "Q6G16", "Q5G32M", "Q5G32", "W8G32", "Q3G16", "Q2G16M")
+        held = ("Q4G32M", "Q6G16", "Q5G32M", "Q5G32", "IQ4G32", "Q3G16", "Q2G16M")
         held = "Q6G16M" if name in MIXED_GROUP else "Q4G16M" if name in MIXED_NIBBLES else held
         assert weight.fmt.name == art.tensor_format(name) in held, name
         dense = art.load_tensor(name)  # gguf-py's values (q/k rows un-permuted alike)
         err = (weight.dequantize() - dense).abs().max() / dense.abs().max()
         assert err < 2 * FP16_HALF_ULP, (name, err)
     assert kept == len(TYPES)
-    # the 2- and 3-bit K-quants in their own codes, IQ4_XS in 8-bit codes of its values
+    # the 2- and 3-bit K-quants in their own codes, IQ4_XS in its code book's indices
     assert art.tensor_format(L2 + "self_attn.q_proj.weight") == "Q4G16M"
     assert art.tensor_format(L2 + "mlp.down_proj.weight") == "Q3G16"
-    assert art.tensor_format(L2 + "self_attn.o_proj.weight") == "W8G32"
+    assert art.tensor_format(L2 + "self_attn.o_proj.weight") == "IQ4G32"
     assert art.tensor_format(L2 + "mlp.up_proj.weight") == "Q2G16M"
 
 
@@ -390,7 +390,8 @@ def test_bf16_runs_the_kept_codes(path):
         assert isinstance(model.layers[0].mlp.gate_up_proj, cpu_gemv.Q4GemvLinear)
         for proj in (model.layers[2].self_attn.qkv_proj, model.layers[2].mlp.gate_up_proj):
             assert isinstance(proj, cpu_gemv.Q4GemvLinear)  # Q3_K|Q4_K's and Q2_K's codes
-        assert isinstance(model.layers[2].self_attn.o_proj, cpu_gemv.Q8GemvLinear)  # IQ4_XS
+        o_proj = model.layers[2].self_attn.o_proj  # IQ4_XS: nibbles through the code book
+        assert isinstance(o_proj, cpu_gemv.Q4GemvLinear) and o_proj.book is not None
     got, want = _logits(loaded), _logits(_load(path, "fp32", dense=True))
     rel = ((got - want).norm() / want.norm()).item()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
@@ -411,7 +412,7 @@ def test_convert_keeps_the_codes(path, tmp_path, capsys):
     out = tmp_path / "tiny-k.ninfer"
     assert main(["convert", str(path), str(out), "--no-progress", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    kept = {"Q4G32M", "Q6G16", "Q5G32M", "Q5G32", "W8G32", "Q6G16M", "Q3G16", "Q2G16M", "Q4G16M"}
+    kept = {"Q4G32M", "Q6G16", "Q5G32M", "Q5G32", "IQ4G32", "Q6G16M", "Q3G16", "Q2G16M", "Q4G16M"}
     assert kept <= set(summary["by_format"])
     src, packed = open_artifact(create_host(), path), open_artifact(create_host(), out)
     for name in src.tensor_names():

@@ -24,8 +24,8 @@ from ninfer_core.quant.recipes import RECIPES, ROLE_GROUPS, recipe
 from ninfer_core.quant.tensor import QuantizedTensor, quantize
 
 #: The symmetric formats, which this oracle defines; the asymmetric ones (Q4G32M) have
-#: their own oracle in tests/test_quant_ggml.py.
-QUANTIZED = [name for name, f in FORMATS.items() if f.quantized and not f.mins]
+#: their own oracle in tests/test_quant_ggml.py, and the code book (IQ4G32) its own below.
+QUANTIZED = [name for name, f in FORMATS.items() if f.quantized and not f.mins and f.book is None]
 
 
 # --------------------------------------------------------------------------
@@ -99,6 +99,33 @@ def test_random_matrices_match_oracle(fmt, dtype):
         qt = check_against_oracle(rand(rows, cols, seed=i, dtype=dtype), fmt)
         assert qt.shape == (rows, cols)
         assert qt.nbytes == qt.fmt.stored_nbytes((rows, cols)) == qt.to_stored().numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_code_book_takes_the_nearest_value(dtype):
+    """IQ4G32 (ggml's IQ4_NL code book): per group of 32 the fp16 scale absmax / 127 and,
+    per weight, the index of the book value nearest w / scale (the lower on a tie), in
+    float64; its codes are the values themselves."""
+    fmt = weight_format("IQ4G32")
+    book = np.array(fmt.book, dtype=np.float64)
+    for i, (rows, cols) in enumerate([(8, 256), (5, 100), (3, 64)]):
+        w = rand(rows, cols, seed=i, dtype=dtype)
+        w[0, :32] = 0  # an all-zero group: scale 0, every weight 0
+        qt = quantize(w, "IQ4G32")
+        wp = np.zeros((rows, -(-cols // 32) * 32))
+        wp[:, :cols] = w.double().numpy()
+        g = wp.reshape(rows, -1, 32)
+        scales = np.minimum(np.abs(g).max(-1) / 127, 65504.0).astype(np.float16)
+        s = scales.astype(np.float64)[..., None]
+        units = np.divide(g, s, out=np.zeros_like(g), where=s > 0)
+        index = np.abs(units[..., None] - book).argmin(-1)  # the first of equals: the lower
+        assert np.array_equal(qt.scales.numpy().view(np.uint16), scales.view(np.uint16))
+        assert np.array_equal(qt.codes().numpy().reshape(index.shape), book[index].astype(np.int8))
+        want = (book[index] * s).reshape(rows, -1)[:, :cols]
+        assert np.array_equal(qt.dequantize(torch.float32).double().numpy(), want)
+        assert qt.nbytes == fmt.stored_nbytes((rows, cols)) == rows * (-(-cols // 32)) * 18
+    ties = torch.tensor([[-127.0, 7.0, -4.5, 101.0] + [0.0] * 28])  # scale 1; 7 is mid 1, 13
+    assert quantize(ties, "IQ4G32").codes()[0, :4].tolist() == [-127, 1, -10, 89]
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)

@@ -31,6 +31,8 @@ def _fmt(*names: str):
         (("Q4G32M", "Q5G32"), "Q5G32M"),  # Q4_1 gate beside a Q5_0 up
         (("Q3G16", "Q5G32M"), "Q6G16M"),  # no Q5G16M: the next width that has the group
         (("Q6G16", "W8G32"), "W8G16"),
+        (("IQ4G32", "Q4G32"), "W8G32"),  # a code book's values are 8-bit codes
+        (("IQ4G32", "Q4G32M"), "W8G32M"),
         (("Q3G16", "Q4G32M"), "Q4G16M"),  # Q3_K q, k beside a Q4_K v (Q3_K_M)
         (("Q2G16M", "Q3G16"), "Q4G16M"),  # Q2_K q, k beside a Q3_K v (Q2_K)
         (("Q3G16", "Q4G32"), "Q4G16"),
@@ -69,6 +71,8 @@ def test_the_common_format(parts, held):
         ("Q5G32", "Q5G32M"),
         ("Q3G16", "Q6G16M"),
         ("Q6G16", "W8G16M"),
+        ("IQ4G32", "W8G32"),
+        ("IQ4G32", "W8G16M"),
     ],
 )
 @pytest.mark.parametrize("cols", [100, 160])  # 100: padding beyond the last group
@@ -89,9 +93,11 @@ def test_the_values_are_the_parts_own_bit_for_bit(src, dst, cols):
 
 def test_nothing_narrows():
     part = quantize(torch.randn(4, 64), "W8G32")
-    for dst in ("Q4G32", "Q4G32M"):
+    for dst in ("Q4G32", "Q4G32M", "IQ4G32"):
         with pytest.raises(ValueError, match="do not fit"):
             widen(part, weight_format(dst))
+    with pytest.raises(ValueError, match="do not fit"):  # its values take 8 bits
+        widen(quantize(torch.randn(4, 64), "IQ4G32"), weight_format("Q6G16M"))
     with pytest.raises(ValueError, match="do not fit"):
         widen(quantize(torch.randn(4, 64), "Q4G32M"), weight_format("W8G32"))
 

@@ -46,7 +46,8 @@ def _format_description(name: str) -> str:
     per_group = "fp16 scale and min" if fmt.mins else "fp16 scale"
     ggml = [t for t, spec in (*GGML_FORMATS.items(), *K_FORMATS.items()) if spec[0] == name]
     also = f" (ggml {ggml[0]})" if ggml else ""
-    return f"{fmt.bits}-bit codes, {per_group} per {fmt.group}{also}"
+    codes = "indices into a code book" if fmt.book is not None else "codes"
+    return f"{fmt.bits}-bit {codes}, {per_group} per {fmt.group}{also}"
 
 
 def describe(path: Path, header: Header) -> dict[str, Any]:

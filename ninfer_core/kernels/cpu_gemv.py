@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ninfer_core.kernels.row_chunks import linear_by_row_chunks
 from ninfer_core.model.ops import PackedLinear
+from ninfer_core.quant.codes import unpack_codes
 from ninfer_core.quant.formats import WeightFormat
 from ninfer_core.quant.tensor import QuantizedTensor
 
@@ -159,7 +160,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::gemv_q4")
-    def _(x, codes, scales, mins, high=None):
+    def _(x, codes, scales, mins, high=None, book=None):
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::gemv_q8")
@@ -167,7 +168,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], codes.shape[0]))
 
     @torch.library.register_fake("ninfer_cpu::dequantize_q4")
-    def _(codes, scales, mins, start, n, bf16, high=None):
+    def _(codes, scales, mins, start, n, bf16, high=None, book=None):
         dtype = torch.bfloat16 if bf16 else torch.float32
         return codes.new_empty((n, 2 * codes.shape[1]), dtype=dtype)
 
@@ -343,24 +344,22 @@ def _interleave_blocks(code_bytes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _high_bit_order(blocks: int) -> torch.Tensor:
-    """The columns of a row's codes in the order `gemv_q4` unpacks them, chunk by chunk:
-    per chunk of 64 code bytes, the columns of its low nibbles as the operator's 64-byte
-    vector holds them, then those of its high nibbles (16 a block in the row's tail, where
-    a chunk may hold fewer than 4 blocks). A chunk's planes of high bits follow this
-    order, a bit a column (`Q4GemvLinear`)."""
-    parts = []
+def _high_bit_chunks(blocks: int) -> list[torch.Tensor]:
+    """The columns of a row's codes in the order `gemv_q4` unpacks them, one tensor per
+    chunk of 64 code bytes: the columns of its low nibbles as the operator's 64-byte
+    vector holds them, then those of its high nibbles (128 columns; fewer in the row's
+    tail, where a chunk holds 16 of each of its up to 4 blocks). A chunk's planes of high
+    bits follow this order, a bit a column (`Q4GemvLinear`)."""
+    chunks = []
     for b, t in _steps(blocks):
         if t == _STEP_BLOCKS:  # chunk c, lane l, byte i: column 4c + i of block b + l
             c, lane, i = torch.meshgrid(torch.arange(4), torch.arange(16), torch.arange(4),
                                         indexing="ij")  # fmt: skip
-            cols = (32 * (b + lane) + 4 * c + i).reshape(4, 64)
+            low = list((32 * (b + lane) + 4 * c + i).reshape(4, 64))
         else:  # four blocks a chunk, each block's 16 columns in order
-            cols = 32 * b + torch.arange(32 * t).view(t, 32)[:, :16].reshape(-1)
-            cols = list(cols.split(64))
-        for chunk in cols:
-            parts += [chunk, chunk + 16]
-    return torch.cat(parts)
+            low = list((32 * b + torch.arange(32 * t).view(t, 32)[:, :16].reshape(-1)).split(64))
+        chunks += [torch.cat((cols.reshape(-1), cols.reshape(-1) + 16)) for cols in low]
+    return chunks
 
 
 class Q4GemvLinear(_CodesGemvLinear):
@@ -379,10 +378,14 @@ class Q4GemvLinear(_CodesGemvLinear):
 
     5- and 6-bit codes (Q5G32, Q5G32M, Q6G16, Q6G64, ...: ggml's Q5_0, Q5_K and Q6_K) keep
     their low four bits as nibbles and the rest in one or two planes of high bits, a bit a
-    weight each, in the order the operator unpacks the nibbles (`_high_bit_order`; plane p
+    weight each, in the order the operator unpacks the nibbles (`_high_bit_chunks`; plane p
     of a chunk after plane p - 1). Symmetric codes are stored `code + 16` or `code + 32`
     (`w = (u - 16) d`, `(u - 32) d`). Held so, Q5_K takes 6 bits a weight and Q6_K 7,
     where 8-bit codes took 9.
+
+    A code-book format (IQ4G32: ggml's IQ4_NL and IQ4_XS) keeps its 4-bit indices as the
+    nibbles, and the operator shuffles them into the book's values (`book`: value + 128,
+    `w = (u - 128) d`): 4.5 bits a weight, where its values as 8-bit codes took 8.5.
     """
 
     BITS = 4
@@ -398,23 +401,25 @@ class Q4GemvLinear(_CodesGemvLinear):
         rows, blocks = self.out_features, self.padded_in // 32
         self.planes = max(0, w.fmt.bits - 4)  # of high bits
         # code -> the value the operator reads: the stored value with mins, else the code
-        # plus 8, 16 or 32 (the operator's symmetric offset)
-        offset = -w.fmt.qmin if w.fmt.mins else 8 << self.planes
+        # plus 8, 16 or 32 (the operator's symmetric offset); a code book's stored index
+        offset = -w.fmt.qmin if w.fmt.mins or w.fmt.book else 8 << self.planes
+        self.book = None if w.fmt.book is None else _book_values(w.fmt.book)
         self.codes = torch.empty(rows, self.padded_in // 2, dtype=torch.uint8)
         self.high = (
             torch.empty(rows, self.padded_in // 8 * self.planes, dtype=torch.uint8)
             if self.planes
             else None
         )
-        order = _high_bit_order(blocks) if self.planes else None
+        chunks = _high_bit_chunks(blocks) if self.planes else []
         for start in range(0, rows, self.CHUNK_ROWS):
             part = w.narrow_rows(start, min(self.CHUNK_ROWS, rows - start))
-            u = (F.pad(part.codes(), (0, extra)) + offset).to(torch.uint8)  # 0 .. 2^bits - 1
+            codes = unpack_codes(part.packed, 4) if self.book is not None else part.codes()
+            u = (F.pad(codes, (0, extra)) + offset).to(torch.uint8)  # 0 .. 2^bits - 1
             nib = (u & 15).view(-1, blocks, 2, 16)
             end = start + u.shape[0]
             self.codes[start:end] = _interleave_blocks(nib[:, :, 0] | (nib[:, :, 1] << 4))
             if self.high is not None:
-                self.high[start:end] = _high_planes(u, order, self.planes)
+                self.high[start:end] = _high_planes(u, chunks, self.planes)
         # Copies, not views of the loaded tensors: a tied head's layer then holds what
         # `nbytes_for` says beside the embedding table, which keeps its own (the planner
         # counts both).
@@ -439,29 +444,34 @@ class Q4GemvLinear(_CodesGemvLinear):
         return self.codes.numel() + high + self.scales.numel() * 2 + mins
 
     def _dequantize(self, start: int, n: int, bf16: bool) -> torch.Tensor:
-        """`u * d + m` (`m = -8 d`, `-16 d` or `-32 d` for a symmetric format)."""
+        """`u * d + m` (`m = -8 d`, `-16 d` or `-32 d` for a symmetric format, `-128 d` for
+        a code book's values)."""
         return torch.ops.ninfer_cpu.dequantize_q4(
-            self.codes, self.scales, self.mins, start, n, bf16, self.high
+            self.codes, self.scales, self.mins, start, n, bf16, self.high, self.book
         )
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ninfer_cpu.gemv_q4(x, self.codes, self.scales, self.mins, self.high)
+        return torch.ops.ninfer_cpu.gemv_q4(
+            x, self.codes, self.scales, self.mins, self.high, self.book
+        )
 
 
-def _high_planes(u: torch.Tensor, order: torch.Tensor, planes: int) -> torch.Tensor:
+@functools.cache
+def _book_values(book: tuple[int, ...]) -> torch.Tensor:
+    """A code book as `gemv_q4` takes it: its 16 values plus 128, uint8 (one tensor per
+    book, shared by every layer that reads it)."""
+    return torch.tensor([v + 128 for v in book], dtype=torch.uint8)
+
+
+def _high_planes(u: torch.Tensor, chunks: list[torch.Tensor], planes: int) -> torch.Tensor:
     """Codes `u` [rows, K] (uint8) -> their bits 4 .. 3 + planes as `gemv_q4` reads them,
-    [rows, planes * K / 8]: per chunk of `order` (64 code bytes: 128 columns, fewer in a
-    row's tail), plane 0's bits, then plane 1's, eight a byte, the first in bit 0."""
-    rows, cols = u.shape
-    bits = torch.stack([(u >> (4 + p)) & 1 for p in range(planes)], dim=1)[:, :, order]
-    # the chunks of `order` are 128 columns but the tail's last; split them alike
-    sizes = [128] * (cols // 512 * 4) + [128] * ((cols % 512) // 128)
-    if cols % 128:
-        sizes.append(cols % 128)
-    chunks = [part.reshape(rows, -1) for part in bits.split(sizes, dim=2)]
+    [rows, planes * K / 8]: per chunk (`_high_bit_chunks`), plane 0's bits in the chunk's
+    column order, then plane 1's, eight a byte, the first in bit 0."""
+    rows = u.shape[0]
+    bits = torch.stack([(u >> (4 + p)) & 1 for p in range(planes)], dim=1)  # [rows, P, K]
+    ordered = torch.cat([bits[:, :, cols].reshape(rows, -1) for cols in chunks], dim=1)
     weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-    packed = torch.cat(chunks, dim=1).view(rows, -1, 8) * weights
-    return packed.sum(dim=2, dtype=torch.uint8)
+    return (ordered.view(rows, -1, 8) * weights).sum(dim=2, dtype=torch.uint8)
 
 
 class Q8GemvLinear(_CodesGemvLinear):

@@ -389,13 +389,14 @@ def int4_format_supported(
     fmt: WeightFormat, device: torch.device, dtype: torch.dtype | None
 ) -> bool:
     """Whether `Int4Linear` can run weights of `fmt` for `dtype` activations on `device`:
-    codes of up to 8 bits, wider than 4 only without mins (its two halves carry no min)."""
+    codes of up to 8 bits, wider than 4 only without mins (its two halves carry no min);
+    a code book's values count as 8-bit codes."""
     return (
         _INT4_CPU
         and dtype == torch.bfloat16
         and torch.device(device).type == "cpu"
         and fmt.group in _INT4_GROUPS
-        and (fmt.bits <= 4 or (fmt.bits <= 8 and not fmt.mins))
+        and (fmt.code_bits <= 4 or (fmt.code_bits <= 8 and not fmt.mins))
     )
 
 
@@ -428,7 +429,7 @@ class Int4Linear(PackedLinear):
     def __init__(self, w: QuantizedTensor) -> None:
         self.out_features, self.in_features = w.shape
         self.group, self.padded_in = w.fmt.group, w.padded_cols
-        self.split = w.fmt.bits > 4
+        self.split = w.fmt.code_bits > 4  # a code book's values too
         self.mins = w.fmt.mins
         self.padded_out = -(-self.out_features // 16) * 16  # the kernel wants N % 16 == 0
         packed, sz = [], []
@@ -474,7 +475,7 @@ class Int4Linear(PackedLinear):
         K' = padded columns (twice that for two halves), N rounded up to 16; the packed
         codes take K' / 2 bytes a row, and each group of each row a bf16 scale and zero."""
         rows, cols = int(shape[0]), int(shape[1])
-        k = fmt.padded_cols(cols) * (2 if fmt.bits > 4 else 1)
+        k = fmt.padded_cols(cols) * (2 if fmt.code_bits > 4 else 1)
         n = -(-rows // 16) * 16
         return n * k // 2 + (k // fmt.group) * n * 2 * 2
 

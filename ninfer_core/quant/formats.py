@@ -10,9 +10,18 @@ minimum too:
     asymmetric:  weight ≈ (code + 2^(bits-1)) * scale + min
 
 so `code + 2^(bits-1)`, the stored value, runs over 0 .. 2^bits - 1 in both. Q4G32 and
-W8G32 are ggml's Q4_0 and Q8_0; Q4G32M is ggml's Q4_1 (and holds its Q4_K); W8G16 holds
-ggml's Q6_K codes, Q3G16 its Q3_K and Q2G16M its Q2_K; W8G32M, W8G16M, Q4G16 and Q4G16M
-hold a fused group whose parts differ in type (see `ggml.py` and `widen.py`).
+W8G32 are ggml's Q4_0 and Q8_0; Q4G32M is ggml's Q4_1 (and holds its Q4_K); Q5G32 and
+Q5G32M are its Q5_0 and Q5_1 (Q5G32M holds its Q5_K too); Q6G16 holds its Q6_K codes,
+Q3G16 its Q3_K and Q2G16M its Q2_K; the other W8 formats, Q4G16, Q4G16M and Q6G16M hold a
+fused group whose parts differ in type (see `ggml.py` and `widen.py`).
+
+A code-book format (`book`: IQ4G32, ggml's IQ4_NL and IQ4_XS) stores 4-bit indices `u`
+(0 .. 15) into a fixed table of sixteen integers instead of codes:
+
+    weight = book[u] * scale
+
+Its codes, as `QuantizedTensor.codes` gives them, are the values `book[u]` (-127 .. 113):
+8-bit codes (`code_bits`), so it widens into an 8-bit format exactly.
 
 The stored object is the code block, then the scale block, then (asymmetric formats
 only) the min block:
@@ -47,10 +56,17 @@ class WeightFormat:
     group: int = 0  # 0: dense
     dtype: torch.dtype | None = None  # dense formats only
     mins: bool = False  # asymmetric: weight = (code - qmin) * scale + min
+    book: tuple[int, ...] | None = None  # code-book values a 4-bit index names
 
     @property
     def quantized(self) -> bool:
         return self.group > 0
+
+    @property
+    def code_bits(self) -> int:
+        """The width of the codes this format's values take: `bits`, or 8 for a code
+        book (its values run over -127 .. 113)."""
+        return 8 if self.book is not None else self.bits
 
     @property
     def qmin(self) -> int:
@@ -98,6 +114,10 @@ def _matrix(fmt: WeightFormat, shape: tuple[int, ...]) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
+#: IQ4_NL's and IQ4_XS's code book (ggml's `kvalues_iq4nl`): the weight each 4-bit index
+#: names, in units of the scale.
+IQ4_BOOK = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
@@ -121,6 +141,7 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("Q5G32M", 5, 32, mins=True),
         WeightFormat("Q6G16", 6, 16),
         WeightFormat("Q6G16M", 6, 16, mins=True),
+        WeightFormat("IQ4G32", 4, 32, book=IQ4_BOOK),
     )
 }
 

@@ -27,9 +27,9 @@ They map onto our formats (`formats.py`) value for value:
   where a row is not a whole number of 256-weight super-blocks, as SmolLM2's 576 columns
   are not).
 - Q5_1 -> Q5G32M: stored value `nib + 16 hb`, scale `d`, min `m`.
-- IQ4_NL (fp16 d, 16 nibble bytes in Q4_0's order) -> W8G32: weight `v[nib(i)] * d`,
-  where `v` is a code book of sixteen integers in -127 .. 113, so the code is `v[nib]`
-  itself, scale `d`.
+- IQ4_NL (fp16 d, 16 nibble bytes in Q4_0's order) -> IQ4G32: weight `v[nib(i)] * d`,
+  where `v` is a code book of sixteen integers in -127 .. 113 (`formats.IQ4_BOOK`); the
+  stored index is `nib` itself, scale `d`.
 
 Only the nibble order changes (ours holds neighbours `2k, 2k + 1` in byte `k`); scales
 and mins are the blocks' fp16 bit patterns, moved, never rounded.
@@ -45,17 +45,16 @@ keep their codes too, and so does IQ4_XS. Each 256-weight super-block holds an f
 | Q6_K      | 210   | 16 of 16   | `(u - 32) * (d * sc[j])`         | 0..63  | Q6G16      |
 | Q3_K      | 110   | 16 of 16   | `(u - 4) * (d * (sc[j] - 32))`   | 0..7   | Q3G16      |
 | Q2_K      | 84    | 16 of 16   | `u * (d * sc[j]) - dmin * mn[j]` | 0..3   | Q2G16M     |
-| IQ4_XS    | 136   | 8 of 32    | `v[u] * (d * (sc[j] - 32))`      | 0..15  | W8G32      |
+| IQ4_XS    | 136   | 8 of 32    | `v[u] * (d * (sc[j] - 32))`      | 0..15  | IQ4G32     |
 
 (Q4_K's and Q5_K's `sc` and `mn` are 6-bit, Q6_K's `sc` int8, Q3_K's and IQ4_XS's `sc`
 6-bit, Q2_K's `sc` and `mn` 4-bit; IQ4_XS's `v` is IQ4_NL's code book.)
 
-The codes are kept as they are (IQ4_XS's nibbles become the values they name, 8-bit
-codes). The sub-block products `d * sc[j]`
-and `dmin * mn[j]` are exact in fp32; ours are fp16, so each is rounded once: at most
-2^-11 of the scale for a normal fp16 value (ggml's own Q8_0 scales are fp16 too), against
-2^-9 of every weight had the tensor been dequantized to bf16. A product past fp16's range
-fails the load with the tensor named.
+The codes are kept as they are (IQ4_XS's nibbles as the code book's indices). The
+sub-block products `d * sc[j]` and `dmin * mn[j]` are exact in fp32; ours are fp16, so
+each is rounded once: at most 2^-11 of the scale for a normal fp16 value (ggml's own Q8_0
+scales are fp16 too), against 2^-9 of every weight had the tensor been dequantized to
+bf16. A product past fp16's range fails the load with the tensor named.
 
 Any other ggml type (F16, BF16, the IQ1-IQ3 types, ...) gives None: the reader
 dequantizes those itself.
@@ -82,7 +81,7 @@ GGML_FORMATS: dict[str, tuple[str, int, int]] = {
     "Q8_0": ("W8G32", 34, 1),
     "Q5_0": ("Q5G32", 22, 1),
     "Q5_1": ("Q5G32M", 24, 2),
-    "IQ4_NL": ("W8G32", 18, 1),
+    "IQ4_NL": ("IQ4G32", 18, 1),
 }
 #: ggml K-quant type name -> (our format, bytes per 256-weight super-block).
 K_FORMATS: dict[str, tuple[str, int]] = {
@@ -91,7 +90,7 @@ K_FORMATS: dict[str, tuple[str, int]] = {
     "Q5_K": ("Q5G32M", 176),
     "Q3_K": ("Q3G16", 110),
     "Q2_K": ("Q2G16M", 84),
-    "IQ4_XS": ("W8G32", 136),
+    "IQ4_XS": ("IQ4G32", 136),
 }
 #: Weights per ggml block, and per K-quant super-block.
 BLOCK = 32
@@ -292,27 +291,15 @@ def _k_pairs(qs: torch.Tensor) -> torch.Tensor:
     return ((runs >> shifts) & 3).reshape(*qs.shape[:-1], 256)
 
 
-#: IQ4_NL's and IQ4_XS's sixteen values (`gguf.quants.IQ4_NL.kvalues`), as W8G32 stored
-#: values (`value + 128`): a nibble indexes them.
-_IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
-_IQ4_STORED = torch.tensor([v + 128 for v in _IQ4_VALUES], dtype=torch.uint8)
-
-
-def _iq4_codes(qs: torch.Tensor) -> torch.Tensor:
-    """IQ4_NL's 16 code bytes a block (nibbles in Q4_0's order) -> W8G32 stored values: the
-    value each nibble names, itself an 8-bit code."""
-    nibbles = torch.cat((qs & 15, qs >> 4), dim=-1)
-    return _IQ4_STORED[nibbles.long()]
-
-
 def _iq4_xs(blocks: torch.Tensor) -> _Converted:
     """IQ4_XS super-blocks [r, g, 136] (fp16 d, 2 bytes of high scale bits, 4 of low
-    ones, 128 code bytes: IQ4_NL's 16 a sub-block of 32) -> W8G32 stored values, and per
+    ones, 128 code bytes: IQ4_NL's 16 a sub-block of 32) -> IQ4G32 indices, and per
     32 weights the scale `d * (sc - 32)` in fp32 (exact). Sub-block `k`'s 6-bit `sc`:
     nibble `k % 2` of byte `k // 2` of the low bytes, bits `2k, 2k + 1` of the
     little-endian 16-bit high field above them."""
     lead = blocks.shape[:-1]
-    codes = _iq4_codes(blocks[..., 8:136].reshape(*lead, 8, 16)).reshape(*lead, 256)
+    # IQ4_NL's nibbles a sub-block, in Q4_0's order: the indices, moved as Q4_0's
+    codes = _q4_codes(blocks[..., 8:136].reshape(*lead, 8, 16)).reshape(*lead, 128)
     low_bytes = blocks[..., 4:8]
     low = torch.stack((low_bytes & 15, low_bytes >> 4), dim=-1).reshape(*lead, 8)
     high_field = blocks[..., 2].to(torch.int32) | (blocks[..., 3].to(torch.int32) << 8)
@@ -408,5 +395,5 @@ _CODES = {
     "Q8_0": _q8_codes,
     "Q5_0": _q5_codes,
     "Q5_1": _q5_codes,
-    "IQ4_NL": _iq4_codes,
+    "IQ4_NL": _q4_codes,  # indices into the code book, in Q4_0's nibble order
 }

@@ -25,6 +25,15 @@ For an asymmetric format (`fmt.mins`; Q4G32M), per group of the row's real colum
 
 and the stored code is `u - 2^(bits-1)`; padded columns have `u = 0`.
 
+For a code-book format (`fmt.book`: IQ4G32), per group, in float64, with `top` the
+book's largest magnitude (127):
+
+    scale  = fp16(min(absmax / top, 65504))
+    u      = the index of the book value nearest w / scale (the lower on a tie)   if scale > 0
+
+and an all-zero group takes the index of the value nearest 0; the stored 4-bit field is
+`u` (as the code `u - 8`). `codes()` gives the values `book[u]`.
+
 Dequantizing is `code * scale` in fp32 -- exact, since an 8-bit code times an 11-bit
 fp16 significand fits fp32's 24 bits -- then one cast to the requested dtype. An
 asymmetric format computes `u * scale + min` in fp32: the product is exact, the sum
@@ -158,8 +167,13 @@ class QuantizedTensor:
 
     def codes(self) -> torch.Tensor:
         """int8 [rows, padded_cols]: the signed codes, padding included (for an
-        asymmetric format the stored value minus 2^(bits-1))."""
-        return unpack_codes(self.packed, self.fmt.bits)
+        asymmetric format the stored value minus 2^(bits-1); for a code-book format the
+        values its indices name)."""
+        codes = unpack_codes(self.packed, self.fmt.bits)
+        if self.fmt.book is None:
+            return codes
+        book = torch.tensor(self.fmt.book, dtype=torch.int8, device=codes.device)
+        return book[codes.long() - self.fmt.qmin]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[rows, cols] in `dtype`: code * scale in fp32 (exact), or for an asymmetric
@@ -301,6 +315,22 @@ def _encode_rows_asymmetric(
     return (u + fmt.qmin).to(torch.int8), scales, mins
 
 
+def _encode_rows_book(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    # w: [r, cols] any float -> stored indices as codes (u - 8) int8 [r, padded], scales
+    rows, cols = w.shape
+    padded, g = fmt.padded_cols(cols), fmt.group
+    book = torch.tensor(fmt.book, dtype=torch.float64)
+    top = float(book.abs().max())
+    w64 = F.pad(w.to(device="cpu", dtype=torch.float64), (0, padded - cols))
+    groups = w64.view(rows, padded // g, g)
+    scales = _round_fp16((groups.abs().amax(-1) / top).clamp(max=FP16_MAX))
+    s64 = scales.to(torch.float64)[..., None]
+    units = torch.where(s64 > 0, groups / torch.where(s64 > 0, s64, 1.0), 0.0)
+    # the nearest value: midpoints between neighbours, a tie going to the lower one
+    u = torch.bucketize(units, (book[:-1] + book[1:]) / 2)
+    return (u + fmt.qmin).to(torch.int8).view(rows, padded), scales
+
+
 def quantize(w: torch.Tensor, fmt_name: str) -> QuantizedTensor:
     """w: float [rows, cols] (bf16, fp16 or fp32, any device) -> the format's codes and
     scales (and mins), computed in float64 on the CPU a row chunk at a time; result on
@@ -322,6 +352,8 @@ def quantize(w: torch.Tensor, fmt_name: str) -> QuantizedTensor:
         end = min(rows, start + step)
         if mins is not None:
             codes, s, mins[start:end] = _encode_rows_asymmetric(w[start:end], fmt)
+        elif fmt.book is not None:
+            codes, s = _encode_rows_book(w[start:end], fmt)
         else:
             codes, s = _encode_rows(w[start:end], fmt)
         packed[start:end] = pack_codes(codes, fmt.bits)

@@ -13,8 +13,9 @@ where a part has them. Each part goes over (`widen`) as:
     asymmetric part, w = u * d + m      ->  the same stored u, scale and min
     symmetric part into an asymmetric format: stored u = c + 2^(b-1), min = -2^(b-1) * d
 
-with `b` the part's bits (`u` is the stored value `c - qmin`; a code of fewer bits than
-the format's is the same integer). The last min is `d` times a power of two, exact in
+with `b` the width of the part's codes (`u` is the stored value `c - qmin`; a code of
+fewer bits than the format's is the same integer; a code book's codes are its 8-bit
+values, `code_bits`). The last min is `d` times a power of two, exact in
 fp16 unless it overflows, which fails with the reason. Scales and mins of a wider group
 are repeated over the narrower groups it covers. Nothing is re-quantized.
 """
@@ -36,12 +37,12 @@ def common_format(formats: Iterable[WeightFormat]) -> WeightFormat | None:
     `W8G16M`); None where there is none (a part wider than 8 bits, or groups no such
     format divides)."""
     formats = list(formats)
-    if not formats or not all(f.quantized and f.bits <= 8 for f in formats):
+    if not formats or not all(f.quantized and f.code_bits <= 8 for f in formats):
         return None
     group = min(f.group for f in formats)
     if any(f.group % group for f in formats):
         return None
-    widest = max(f.bits for f in formats)
+    widest = max(f.code_bits for f in formats)  # a code book's values take 8 bits
     mins = "M" if any(f.mins for f in formats) else ""
     names = [f"Q{b}G{group}{mins}" for b in (4, 5, 6) if b >= widest] + [f"W8G{group}{mins}"]
     return next((FORMATS[n] for n in names if n in FORMATS), None)
@@ -51,7 +52,12 @@ def widen(q: QuantizedTensor, fmt: WeightFormat) -> QuantizedTensor:
     """`q` held in `fmt` (as `common_format` gives it): the same values."""
     if q.fmt == fmt:
         return q
-    if fmt.bits < q.fmt.bits or q.fmt.group % fmt.group or (q.fmt.mins and not fmt.mins):
+    if (
+        fmt.book is not None
+        or fmt.bits < q.fmt.code_bits
+        or q.fmt.group % fmt.group
+        or (q.fmt.mins and not fmt.mins)
+    ):
         raise ValueError(f"{q.fmt.name} codes do not fit {fmt.name} exactly")
     rows, cols = q.shape
     padded = fmt.padded_cols(cols)  # no wider than q's: the rest is q's padding
@@ -65,14 +71,14 @@ def widen(q: QuantizedTensor, fmt: WeightFormat) -> QuantizedTensor:
     scales = per_group(q.scales)
     mins = None
     if fmt.mins:
-        codes = codes - q.fmt.qmin + fmt.qmin  # q's stored value, as a code of `fmt`
+        qmin = -(1 << (q.fmt.code_bits - 1))  # of q's codes: a code book's are 8-bit
+        codes = codes - qmin + fmt.qmin  # q's stored value, as a code of `fmt`
         if q.fmt.mins:
             mins = per_group(q.mins)
         else:  # c * d = u * d - 2^(b-1) * d
-            mins = (scales.to(torch.float32) * float(q.fmt.qmin)).to(torch.float16)
+            mins = (scales.to(torch.float32) * float(qmin)).to(torch.float16)
             if not torch.isfinite(mins).all():
                 raise ValueError(
-                    f"{q.fmt.name} into {fmt.name}: a min of {q.fmt.qmin} x scale is "
-                    "beyond fp16's range"
+                    f"{q.fmt.name} into {fmt.name}: a min of {qmin} x scale is beyond fp16's range"
                 )
     return QuantizedTensor(fmt, (rows, cols), pack_codes(codes, fmt.bits), scales, mins)

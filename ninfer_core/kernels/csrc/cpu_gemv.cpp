@@ -128,7 +128,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // Q4_0/Q4_1 do, and a row's blocks are interleaved 16 at a time, four bytes of each
 // block in turn (`dot_q4`). 5- and 6-bit codes (ggml's Q5_0, Q5_K, Q6_K) add one or two
 // planes of high bits to the nibbles (`add_high`): u = nibble + 16 h0 + 32 h1, and a
-// symmetric format's m = -16 d or -32 d. `gemv_q8`: 8-bit codes stored u = code + 128,
+// symmetric format's m = -16 d or -32 d. A code book (ggml's IQ4_NL and IQ4_XS) maps
+// each nibble to u = book value + 128 by a byte shuffle (`book_table`), m = -128 d. `gemv_q8`: 8-bit codes stored u = code + 128,
 // w = d * (u - 128) (ggml's Q8_0), or w = d * u + m with mins, a scale (and min) per
 // group of 1-16 blocks or per 16 columns (Q6_K's codes). x is quantized per call, per
 // block of 32, to two int8 planes (`quantize_x`), and `vpdpbusd` multiplies codes and x
@@ -329,11 +330,11 @@ inline void add_high(const uint8_t* high, int64_t blocks, __m512i& lo, __m512i& 
 
 // A step's integer sums scaled into `acc`: joined as 256 q + r where that stays below
 // 2^24 and converts to fp32 exactly (4-bit codes: at most 256 * 32 * 15 * 127 +
-// 32 * 15 * 127), else converted apart (5- and 6-bit codes reach 2^26). `scale`
-// includes the 1 / 256 of r.
-template <int kHigh>
+// 32 * 15 * 127), else (`kWide`) converted apart (5- and 6-bit codes reach 2^26, a code
+// book's values 2^28). `scale` includes the 1 / 256 of r.
+template <bool kWide>
 inline __m512 scaled_sums(__m512i q, __m512i r, __m512 scale, __m512 acc) {
-  if constexpr (kHigh == 0)
+  if constexpr (!kWide)
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(q, kFineShift), r)),
                            scale, acc);
   const __m512 coarse = _mm512_mul_ps(scale, _mm512_set1_ps(kFine));
@@ -341,40 +342,58 @@ inline __m512 scaled_sums(__m512i q, __m512i r, __m512 scale, __m512 acc) {
                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), scale, acc));
 }
 
+// A code book's 16 stored values (value + 128) in each 128-bit lane, for `vpshufb`: the
+// nibbles index it.
+inline __m512i book_table(const uint8_t* book) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(book)));
+}
+
+// A chunk's 64 code bytes unpacked to the codes u of its low and high nibbles, a byte
+// each: the nibbles, plus the high-bit planes of 5- and 6-bit codes (`add_high`), or
+// through a code book.
+template <int kHigh, bool kBook>
+inline void unpack_chunk(__m512i v, const uint8_t* high, int64_t blocks, __m512i table,
+                         __m512i& lo, __m512i& hi) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(v, nib);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (kHigh > 0) add_high<kHigh>(high, blocks, lo, hi);
+  if constexpr (kBook) {
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  }
+}
+
 // The last t < 16 blocks of a 4-bit row, four blocks (16 lanes) a chunk, block j taking
 // lanes 4 (j % 4) .. 4 (j % 4) + 3: each chunk's joined sums scaled by a permute of the
 // blocks' scales (`quads`) into `acc`. With a scale per 16 columns (`kPer16`), the low
 // nibbles' sums take `scale` and the high ones' `scale_hi`.
 // A lane sums at most eight products a plane of x, so 256 q + r stays below 2^24 with
-// 6-bit codes too.
-template <bool kPer16, int kHigh>
-inline __m512 tail_q4(const uint8_t* codes, const uint8_t* high, int64_t t, const int8_t* xlo,
-                      const int8_t* xhi, const int8_t* xlo2, const int8_t* xhi2, __m512 scale,
-                      __m512 scale_hi, const __m512i* quads, __m512 acc) {
-  const __m512i nib = _mm512_set1_epi8(0x0f);
+// 6-bit codes too; a code book's values need the sums apart.
+template <bool kPer16, int kHigh, bool kBook>
+inline __m512 tail_q4(const uint8_t* codes, const uint8_t* high, __m512i table, int64_t t,
+                      const int8_t* xlo, const int8_t* xhi, const int8_t* xlo2,
+                      const int8_t* xhi2, __m512 scale, __m512 scale_hi, const __m512i* quads,
+                      __m512 acc) {
+  const __m512i zero = _mm512_setzero_si512();
   for (int c = 0; 4 * c < t; ++c) {
     const int64_t blocks = std::min<int64_t>(4, t - 4 * c);
     const __mmask64 cmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
     const int64_t at = 64 * c;
-    const __m512i v = _mm512_maskz_loadu_epi8(cmask, codes + at);
-    __m512i lo = _mm512_and_si512(v, nib);
-    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    if constexpr (kHigh > 0) add_high<kHigh>(high + 16 * kHigh * c, blocks, lo, hi);
+    __m512i lo, hi;
+    unpack_chunk<kHigh, kBook>(_mm512_maskz_loadu_epi8(cmask, codes + at),
+                               high + 16 * kHigh * c, blocks, table, lo, hi);
+    const __m512i qlo = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xlo + at));
+    const __m512i rlo = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xlo2 + at));
+    const __m512i qhi = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512(xhi + at));
+    const __m512i rhi = _mm512_dpbusd_epi32(zero, hi, _mm512_loadu_si512(xhi2 + at));
+    const __m512 s = _mm512_permutexvar_ps(quads[c], scale);
     if constexpr (kPer16) {
-      __m512i slo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xlo + at));
-      __m512i shi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xhi + at));
-      slo = _mm512_dpbusd_epi32(_mm512_slli_epi32(slo, kFineShift), lo, _mm512_loadu_si512(xlo2 + at));
-      shi = _mm512_dpbusd_epi32(_mm512_slli_epi32(shi, kFineShift), hi, _mm512_loadu_si512(xhi2 + at));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(slo), _mm512_permutexvar_ps(quads[c], scale), acc);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(shi), _mm512_permutexvar_ps(quads[c], scale_hi), acc);
-      continue;
+      acc = scaled_sums<kBook>(qlo, rlo, s, acc);
+      acc = scaled_sums<kBook>(qhi, rhi, _mm512_permutexvar_ps(quads[c], scale_hi), acc);
+    } else {
+      acc = scaled_sums<kBook>(_mm512_add_epi32(qlo, qhi), _mm512_add_epi32(rlo, rhi), s, acc);
     }
-    __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xlo + at));
-    isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(xhi + at));
-    isum = _mm512_slli_epi32(isum, kFineShift);
-    isum = _mm512_dpbusd_epi32(isum, lo, _mm512_loadu_si512(xlo2 + at));
-    isum = _mm512_dpbusd_epi32(isum, hi, _mm512_loadu_si512(xhi2 + at));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(quads[c], scale), acc);
   }
   return acc;
 }
@@ -395,12 +414,14 @@ inline __m512 tail_q4(const uint8_t* codes, const uint8_t* high, int64_t t, cons
 //
 // 5- and 6-bit codes (`kHigh` planes of high bits, `add_high`) take the same steps, their
 // planes' bits added to the unpacked nibbles; the planes of a row's block b start at byte
-// 4 kHigh b of its `high` row, a chunk's 16 kHigh bytes after the last.
-template <bool kMins, bool kPer16, int kHigh>
-inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint16_t* d,
-                    const uint16_t* mn, int64_t nb, int gshift, __m512i expand, const QuantX& q,
-                    int64_t m, const __m512i* quads) {
-  const __m512i nib = _mm512_set1_epi8(0x0f);
+// 4 kHigh b of its `high` row, a chunk's 16 kHigh bytes after the last. A code book
+// (`kBook`) shuffles the nibbles into its values.
+template <bool kMins, bool kPer16, int kHigh, bool kBook>
+inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint8_t* book,
+                    const uint16_t* d, const uint16_t* mn, int64_t nb, int gshift,
+                    __m512i expand, const QuantX& q, int64_t m, const __m512i* quads) {
+  constexpr bool kWide = kHigh > 0 || kBook;
+  const __m512i table = kBook ? book_table(book) : _mm512_setzero_si512();
   const int8_t* xlo = q.lo.data() + m * q.blocks * 16;
   const int8_t* xhi = q.hi.data() + m * q.blocks * 16;
   const int8_t* xlo2 = q.lo2.data() + m * q.blocks * 16;
@@ -408,7 +429,8 @@ inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint16_t* d
   const float* dx = q.dx.data() + m * q.blocks;
   const float* sx = q.sx.data() + m * q.blocks;
   const float* sx16 = q.sx16.data() + m * q.blocks * 2;
-  const __m512 unfine = _mm512_set1_ps(1.f / kFine), off = _mm512_set1_ps(-float(8 << kHigh));
+  const __m512 unfine = _mm512_set1_ps(1.f / kFine);
+  const __m512 off = _mm512_set1_ps(kBook ? -128.f : -float(8 << kHigh));
   __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
@@ -434,8 +456,9 @@ inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint16_t* d
     }
     const int64_t at = b * 16;  // codes and x's planes: 256 bytes a step of 16 blocks
     if (left < 16) {
-      acc = tail_q4<kPer16, kHigh>(codes + at, high + 4 * kHigh * b, left, xlo + at, xhi + at,
-                                   xlo2 + at, xhi2 + at, scale, scale_hi, quads, acc);
+      acc = tail_q4<kPer16, kHigh, kBook>(codes + at, high + 4 * kHigh * b, table, left,
+                                          xlo + at, xhi + at, xlo2 + at, xhi2 + at, scale,
+                                          scale_hi, quads, acc);
       break;
     }
     // Four sums, two chains of dependent `vpdpbusd` each: a plane of x by half the codes.
@@ -443,19 +466,18 @@ inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint16_t* d
     for (int c = 0; c < 4; ++c) {
       const uint8_t* chunk = codes + at + 64 * c;
       _mm_prefetch((const char*)chunk + kAhead, _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(chunk);
-      __m512i lo = _mm512_and_si512(v, nib);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      if constexpr (kHigh > 0) add_high<kHigh>(high + 4 * kHigh * b + 16 * kHigh * c, 4, lo, hi);
+      __m512i lo, hi;
+      unpack_chunk<kHigh, kBook>(_mm512_loadu_si512(chunk),
+                                 high + 4 * kHigh * b + 16 * kHigh * c, 4, table, lo, hi);
       q0 = _mm512_dpbusd_epi32(q0, lo, _mm512_loadu_si512(xlo + at + 64 * c));
       q1 = _mm512_dpbusd_epi32(q1, hi, _mm512_loadu_si512(xhi + at + 64 * c));
       r0 = _mm512_dpbusd_epi32(r0, lo, _mm512_loadu_si512(xlo2 + at + 64 * c));
       r1 = _mm512_dpbusd_epi32(r1, hi, _mm512_loadu_si512(xhi2 + at + 64 * c));
     }
     if constexpr (kPer16)
-      acc = scaled_sums<kHigh>(q1, r1, scale_hi, scaled_sums<kHigh>(q0, r0, scale, acc));
+      acc = scaled_sums<kWide>(q1, r1, scale_hi, scaled_sums<kWide>(q0, r0, scale, acc));
     else
-      acc = scaled_sums<kHigh>(_mm512_add_epi32(q0, q1), _mm512_add_epi32(r0, r1), scale, acc);
+      acc = scaled_sums<kWide>(_mm512_add_epi32(q0, q1), _mm512_add_epi32(r0, r1), scale, acc);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(acc, macc));
 }
@@ -552,9 +574,20 @@ int high_planes(const char* name, const std::optional<at::Tensor>& high, int64_t
   return static_cast<int>(high->size(1) * 8 / K);
 }
 
+// A 4-bit weight's code book (16 stored values, value + 128), or null; checked against
+// its other inputs: a code book maps plain nibbles, with no planes and no mins.
+const uint8_t* code_book(const char* name, const std::optional<at::Tensor>& book, int planes,
+                         bool mins) {
+  if (!book) return nullptr;
+  TORCH_CHECK(book->dim() == 1 && book->numel() == 16 && book->scalar_type() == at::kByte &&
+                  book->is_contiguous() && planes == 0 && !mins,
+              name, ": a code book is 16 uint8 values (value + 128), without high bits or mins");
+  return book->data_ptr<uint8_t>();
+}
+
 at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                      const std::optional<at::Tensor>& mins,
-                      const std::optional<at::Tensor>& high, int bits) {
+                      const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high,
+                      const std::optional<at::Tensor>& book, int bits) {
   const char* name = bits == 4 ? "gemv_q4" : "gemv_q8";
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && scales.dim() == 2, name,
               ": x [M, K], codes [N, K * bits / 8], scales [N, K / group]");
@@ -575,6 +608,7 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int planes = high_planes(name, high, N, K);
   const auto* hp = planes ? high->data_ptr<uint8_t>() : nullptr;
   const int64_t high_bytes = K / 8 * planes;
+  const uint8_t* bp = code_book(name, book, planes, mins.has_value());
   thread_local QuantX q;  // reused across calls: no allocation per call
   quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, bits, q);
   at::Tensor y = at::empty({M, N}, xc.options());
@@ -608,21 +642,27 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   };
   using Row = const uint8_t*;
   using Values = const uint16_t*;
-  // A 4-bit row's loop for 0, 1 or 2 planes of high bits, chosen at compile time.
-  auto nibbles = [&](auto mins, auto per16_kind, auto high_kind) {
+  // A 4-bit row's loop for 0, 1 or 2 planes of high bits or a code book, chosen at
+  // compile time.
+  auto nibbles = [&](auto mins, auto per16_kind, auto high_kind, auto book_kind) {
     constexpr bool kMins = decltype(mins)::value, kPer16 = decltype(per16_kind)::value;
     constexpr int kHigh = decltype(high_kind)::value;
+    constexpr bool kBook = decltype(book_kind)::value;
     rows([&](Row c, Row h, Values d, Values mn, int64_t m) {
-      return dot_q4<kMins, kPer16, kHigh>(c, h, d, mn, nb, g, expand, qx, m, quads);
+      return dot_q4<kMins, kPer16, kHigh, kBook>(c, h, bp, d, mn, nb, g, expand, qx, m, quads);
     });
   };
   auto by_planes = [&](auto mins, auto per16_kind) {
-    if (planes == 2)
-      nibbles(mins, per16_kind, std::integral_constant<int, 2>{});
+    using Plain = std::false_type;
+    if (bp && !per16 && !decltype(mins)::value)
+      nibbles(std::false_type{}, std::false_type{}, std::integral_constant<int, 0>{},
+              std::true_type{});
+    else if (planes == 2)
+      nibbles(mins, per16_kind, std::integral_constant<int, 2>{}, Plain{});
     else if (planes == 1)
-      nibbles(mins, per16_kind, std::integral_constant<int, 1>{});
+      nibbles(mins, per16_kind, std::integral_constant<int, 1>{}, Plain{});
     else
-      nibbles(mins, per16_kind, std::integral_constant<int, 0>{});
+      nibbles(mins, per16_kind, std::integral_constant<int, 0>{}, Plain{});
   };
   auto by_kind = [&](auto mins) {
     constexpr bool kMins = decltype(mins)::value;
@@ -647,13 +687,14 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
 }
 
 at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high) {
-  return gemv_codes(x, codes, scales, mins, high, 4);
+                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high,
+                   const std::optional<at::Tensor>& book) {
+  return gemv_codes(x, codes, scales, mins, high, book, 4);
 }
 
 at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const std::optional<at::Tensor>& mins) {
-  return gemv_codes(x, codes, scales, mins, std::nullopt, 8);
+  return gemv_codes(x, codes, scales, mins, std::nullopt, std::nullopt, 8);
 }
 
 // ------------------------------------------------ prefill rows from the codes
@@ -713,18 +754,21 @@ struct DequantRows {
 };
 
 // Rows of a `gemv_q4` weight, a chunk of codes at a time unpacked as `dot_q4` reads it
-// (its nibbles, and the planes of high bits added by `add_high`), then each block's 32
-// codes gathered: in a whole step of 16 blocks, columns 4c..4c+3 of block l from lane l of
-// chunk c (`_interleave_blocks`); in the row's tail, a block's 16 bytes in order.
+// (`unpack_chunk`: its nibbles, with planes of high bits or through a code book), then
+// each block's 32 codes gathered: in a whole step of 16 blocks, columns 4c..4c+3 of block
+// l from lane l of chunk c (`_interleave_blocks`); in the row's tail, a block's 16 bytes
+// in order.
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t start, int64_t n,
-                         bool bf16, const std::optional<at::Tensor>& high) {
+                         bool bf16, const std::optional<at::Tensor>& high,
+                         const std::optional<at::Tensor>& book) {
   const DequantRows rows("dequantize_q4", codes, scales, mins, start, n, bf16, 4);
   const int planes = high_planes("dequantize_q4", high, codes.size(0), rows.K);
+  const uint8_t* bp = code_book("dequantize_q4", book, planes, mins.has_value());
+  const __m512i table = bp ? book_table(bp) : _mm512_setzero_si512();
   const int64_t high_bytes = rows.K / 8 * planes, nb = rows.K / 32, whole = nb / 16 * 16;
   const uint8_t* hp = planes ? high->data_ptr<uint8_t>() + start * high_bytes : nullptr;
-  const float offset = -float(8 << planes);
-  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const float offset = bp ? -128.f : -float(8 << planes);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     alignas(64) uint8_t lo[256], hi[256];  // a step's unpacked codes: chunk c at 64 c
     for (int64_t r = r0; r < r1; ++r) {
@@ -736,10 +780,16 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
           const int64_t blocks = b < whole ? 4 : std::min<int64_t>(4, left - 4 * k);
           const __mmask64 cmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
           const __m512i v = _mm512_maskz_loadu_epi8(cmask, c + b * 16 + 64 * k);
-          __m512i l = _mm512_and_si512(v, nib), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           const uint8_t* hk = h ? h + 4 * planes * b + 16 * planes * k : nullptr;
-          if (planes == 1) add_high<1>(hk, blocks, l, u);
-          if (planes == 2) add_high<2>(hk, blocks, l, u);
+          __m512i l, u;
+          if (bp)
+            unpack_chunk<0, true>(v, hk, blocks, table, l, u);
+          else if (planes == 2)
+            unpack_chunk<2, false>(v, hk, blocks, table, l, u);
+          else if (planes == 1)
+            unpack_chunk<1, false>(v, hk, blocks, table, l, u);
+          else
+            unpack_chunk<0, false>(v, hk, blocks, table, l, u);
           _mm512_store_si512(lo + 64 * k, l);
           _mm512_store_si512(hi + 64 * k, u);
         }
@@ -785,11 +835,13 @@ at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scales,
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_q4(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? high=None) -> Tensor");
+  m.def(
+      "gemv_q4(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? high=None, "
+      "Tensor? book=None) -> Tensor");
   m.def("gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
   m.def(
       "dequantize_q4(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16, "
-      "Tensor? high=None) -> Tensor");
+      "Tensor? high=None, Tensor? book=None) -> Tensor");
   m.def(
       "dequantize_q8(Tensor codes, Tensor scales, Tensor? mins, int start, int n, bool bf16) "
       "-> Tensor");
