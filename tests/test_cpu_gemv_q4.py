@@ -160,6 +160,16 @@ def test_one_scale_per_group_is_the_scale_repeated_per_block(op, blocks):
         assert torch.equal(run(x, codes, scales, m), run(x, codes, per_block[0], mb))
 
 
+def test_a_code_book_with_mins_or_a_scale_per_16_is_refused():
+    x, codes, book = _x(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.arange(16).byte()
+    per32, per16 = torch.ones(4, 2, dtype=torch.half), torch.ones(4, 4, dtype=torch.half)
+    with pytest.raises(RuntimeError, match="code book"):
+        torch.ops.ninfer_cpu.gemv_q4(x, codes, per32, torch.zeros_like(per32), None, book)
+    with pytest.raises(RuntimeError, match="code book"):
+        torch.ops.ninfer_cpu.gemv_q4(x, codes, per16, None, None, book)
+    assert torch.ops.ninfer_cpu.gemv_q4(x, codes, per32, None, None, book).shape == (1, 4)
+
+
 def test_a_group_the_operators_cant_spread_is_refused():
     x, codes = _x(1, 96), torch.zeros(4, 48, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="group of 16, 32, 64, 128, 256 or 512"):

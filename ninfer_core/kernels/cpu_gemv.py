@@ -475,7 +475,7 @@ def _high_planes(u: torch.Tensor, chunks: list[torch.Tensor], planes: int) -> to
 
 
 class Q8GemvLinear(_CodesGemvLinear):
-    """An 8-bit `[out, in]` weight (W8G32, ggml's Q8_0; W8G16, its Q6_K codes) for
+    """An 8-bit `[out, in]` weight (W8G32, ggml's Q8_0; W8G16, a mixed fused group) for
     `ninfer_cpu::gemv_q8`: 1.6x torch's int4 kernel over the same codes as two 4-bit
     halves (SmolLM2's head, 49152 x 576: 1.0 against 1.6 ms). It holds the loaded codes
     (stored as `code + 128`, the unsigned operand VNNI multiplies) and scales themselves:

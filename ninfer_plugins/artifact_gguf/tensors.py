@@ -6,8 +6,8 @@
   (`LlamaModel.permute`: each head's two rotary halves interleaved); `unpermute` undoes it.
 * Types: F32, F16 and BF16 load as they are stored. A 2-D Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0
   matrix can stay in its blocks as a `QuantizedTensor` of ours (Q4G32, Q4G32M, Q5G32,
-  Q5G32M, W8G32: the same values; IQ4_NL's values as W8G32 codes), and a Q2_K .. Q6_K or
-  IQ4_XS one in its codes (Q2G16M, Q3G16, Q4G32M, Q5G32M, Q6G16, W8G32: sub-block scales
+  Q5G32M, W8G32: the same values; IQ4_NL's indices as IQ4G32), and a Q2_K .. Q6_K or
+  IQ4_XS one in its codes (Q2G16M, Q3G16, Q4G32M, Q5G32M, Q6G16, IQ4G32: sub-block scales
   rounded once to fp16; `ninfer_core.quant.ggml`); every other quantized type, and any
   tensor the artifact asks for dense, is dequantized to float32 by `gguf.quants.dequantize`.
 """

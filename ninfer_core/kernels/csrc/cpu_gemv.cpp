@@ -609,6 +609,7 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const auto* hp = planes ? high->data_ptr<uint8_t>() : nullptr;
   const int64_t high_bytes = K / 8 * planes;
   const uint8_t* bp = code_book(name, book, planes, mins.has_value());
+  TORCH_CHECK(!bp || !per16, name, ": a code book takes a scale per 32 columns or more");
   thread_local QuantX q;  // reused across calls: no allocation per call
   quantize_x(reinterpret_cast<const uint16_t*>(xc.data_ptr()), M, K, bits, q);
   at::Tensor y = at::empty({M, N}, xc.options());
@@ -654,7 +655,7 @@ at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Te
   };
   auto by_planes = [&](auto mins, auto per16_kind) {
     using Plain = std::false_type;
-    if (bp && !per16 && !decltype(mins)::value)
+    if (bp)  // checked: no planes, no mins, no scale per 16
       nibbles(std::false_type{}, std::false_type{}, std::integral_constant<int, 0>{},
               std::true_type{});
     else if (planes == 2)
