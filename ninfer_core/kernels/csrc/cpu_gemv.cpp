@@ -754,11 +754,22 @@ struct DequantRows {
   }
 };
 
+// Four vectors' 32-bit lanes transposed 4 x 4 within each 128-bit lane, stored to `out`
+// (256 bytes): lane j of vector i takes lane i of each vector's 128-bit lane j, in order.
+inline void transpose_lanes(const __m512i* v, uint8_t* out) {
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  _mm512_store_si512(out, _mm512_unpacklo_epi64(t0, t2));
+  _mm512_store_si512(out + 64, _mm512_unpackhi_epi64(t0, t2));
+  _mm512_store_si512(out + 128, _mm512_unpacklo_epi64(t1, t3));
+  _mm512_store_si512(out + 192, _mm512_unpackhi_epi64(t1, t3));
+}
+
 // Rows of a `gemv_q4` weight, a chunk of codes at a time unpacked as `dot_q4` reads it
 // (`unpack_chunk`: its nibbles, with planes of high bits or through a code book), then
 // each block's 32 codes gathered: in a whole step of 16 blocks, columns 4c..4c+3 of block
-// l from lane l of chunk c (`_interleave_blocks`); in the row's tail, a block's 16 bytes
-// in order.
+// l from lane l of chunk c (`_interleave_blocks`), by a transpose (`transpose_lanes`); in
+// the row's tail, a block's 16 bytes in order.
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& mins, int64_t start, int64_t n,
                          bool bf16, const std::optional<at::Tensor>& high,
@@ -771,43 +782,44 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
   const uint8_t* hp = planes ? high->data_ptr<uint8_t>() + start * high_bytes : nullptr;
   const float offset = bp ? -128.f : -float(8 << planes);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    alignas(64) uint8_t lo[256], hi[256];  // a step's unpacked codes: chunk c at 64 c
+    alignas(64) uint8_t lo[256], hi[256];  // a step's codes, a block's 16 bytes together
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* c = rows.codes + r * (rows.K / 2);
       const uint8_t* h = hp ? hp + r * high_bytes : nullptr;
       for (int64_t b = 0; b < nb; b += 16) {
         const int64_t left = std::min<int64_t>(16, nb - b);
+        __m512i l[4], u[4];
         for (int64_t k = 0; 4 * k < left; ++k) {  // the step's chunks
           const int64_t blocks = b < whole ? 4 : std::min<int64_t>(4, left - 4 * k);
           const __mmask64 cmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
           const __m512i v = _mm512_maskz_loadu_epi8(cmask, c + b * 16 + 64 * k);
           const uint8_t* hk = h ? h + 4 * planes * b + 16 * planes * k : nullptr;
-          __m512i l, u;
           if (bp)
-            unpack_chunk<0, true>(v, hk, blocks, table, l, u);
+            unpack_chunk<0, true>(v, hk, blocks, table, l[k], u[k]);
           else if (planes == 2)
-            unpack_chunk<2, false>(v, hk, blocks, table, l, u);
+            unpack_chunk<2, false>(v, hk, blocks, table, l[k], u[k]);
           else if (planes == 1)
-            unpack_chunk<1, false>(v, hk, blocks, table, l, u);
+            unpack_chunk<1, false>(v, hk, blocks, table, l[k], u[k]);
           else
-            unpack_chunk<0, false>(v, hk, blocks, table, l, u);
-          _mm512_store_si512(lo + 64 * k, l);
-          _mm512_store_si512(hi + 64 * k, u);
+            unpack_chunk<0, false>(v, hk, blocks, table, l[k], u[k]);
+        }
+        if (b < whole) {
+          // Chunk k's lane 4j + i holds bytes 4k..4k+3 of block 4j + i: a 4 x 4 transpose
+          // of 32-bit lanes within each 128-bit lane puts block 4j + i's 16 bytes in lane
+          // j of vector i, stored at 64 i + 16 j.
+          transpose_lanes(l, lo);
+          transpose_lanes(u, hi);
+        } else {  // the tail: a block's 16 bytes in order, chunk k at 64 k
+          for (int64_t k = 0; 4 * k < left; ++k) {
+            _mm512_store_si512(lo + 64 * k, l[k]);
+            _mm512_store_si512(hi + 64 * k, u[k]);
+          }
         }
         for (int64_t j = 0; j < left; ++j) {
-          alignas(16) uint8_t col[32];  // the block's codes, columns 0..31
-          if (b < whole) {
-            for (int k = 0; k < 4; ++k) {
-              std::memcpy(col + 4 * k, lo + 64 * k + 4 * j, 4);
-              std::memcpy(col + 16 + 4 * k, hi + 64 * k + 4 * j, 4);
-            }
-          } else {
-            std::memcpy(col, lo + 16 * j, 16);
-            std::memcpy(col + 16, hi + 16 * j, 16);
-          }
+          const int64_t at = b < whole ? 64 * (j % 4) + 16 * (j / 4) : 16 * j;
           const int64_t k0 = (b + j) * 32;
-          rows.put(r, k0, _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)col)), offset);
-          rows.put(r, k0 + 16, _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(col + 16))),
+          rows.put(r, k0, _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(lo + at))), offset);
+          rows.put(r, k0 + 16, _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(hi + at))),
                    offset);
         }
       }
