@@ -399,7 +399,7 @@ class Q4GemvLinear(_CodesGemvLinear):
         extra = self.padded_in % 32
         self.padded_in += extra
         rows, blocks = self.out_features, self.padded_in // 32
-        self.planes = max(0, w.fmt.bits - 4)  # of high bits
+        self.planes = _planes(w.fmt)
         # code -> the value the operator reads: the stored value with mins, else the code
         # plus 8, 16 or 32 (the operator's symmetric offset); a code book's stored index
         offset = -w.fmt.qmin if w.fmt.mins or w.fmt.book else 8 << self.planes
@@ -419,7 +419,7 @@ class Q4GemvLinear(_CodesGemvLinear):
             end = start + u.shape[0]
             self.codes[start:end] = _interleave_blocks(nib[:, :, 0] | (nib[:, :, 1] << 4))
             if self.high is not None:
-                self.high[start:end] = _high_planes(u, chunks, self.planes)
+                self.high[start:end] = _pack_high_bits(u, chunks, self.planes)
         # Copies, not views of the loaded tensors: a tied head's layer then holds what
         # `nbytes_for` says beside the embedding table, which keeps its own (the planner
         # counts both).
@@ -434,7 +434,7 @@ class Q4GemvLinear(_CodesGemvLinear):
         groups = padded // fmt.group
         if padded % 32:
             padded, groups = padded + 16, groups + 1
-        high = rows * padded // 8 * max(0, fmt.bits - 4)
+        high = rows * padded // 8 * _planes(fmt)
         return rows * padded // 2 + high + rows * groups * 2 * (2 if fmt.mins else 1)
 
     @property
@@ -456,6 +456,11 @@ class Q4GemvLinear(_CodesGemvLinear):
         )
 
 
+def _planes(fmt: WeightFormat) -> int:
+    """The planes of high bits a `Q4GemvLinear` holds for `fmt`: one per bit beyond 4."""
+    return max(0, fmt.bits - 4)
+
+
 @functools.cache
 def _book_values(book: tuple[int, ...]) -> torch.Tensor:
     """A code book as `gemv_q4` takes it: its 16 values plus 128, uint8 (one tensor per
@@ -463,7 +468,7 @@ def _book_values(book: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([v + 128 for v in book], dtype=torch.uint8)
 
 
-def _high_planes(u: torch.Tensor, chunks: list[torch.Tensor], planes: int) -> torch.Tensor:
+def _pack_high_bits(u: torch.Tensor, chunks: list[torch.Tensor], planes: int) -> torch.Tensor:
     """Codes `u` [rows, K] (uint8) -> their bits 4 .. 3 + planes as `gemv_q4` reads them,
     [rows, planes * K / 8]: per chunk (`_high_bit_chunks`), plane 0's bits in the chunk's
     column order, then plane 1's, eight a byte, the first in bit 0."""

@@ -129,14 +129,15 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
 // block in turn (`dot_q4`). 5- and 6-bit codes (ggml's Q5_0, Q5_K, Q6_K) add one or two
 // planes of high bits to the nibbles (`add_high`): u = nibble + 16 h0 + 32 h1, and a
 // symmetric format's m = -16 d or -32 d. A code book (ggml's IQ4_NL and IQ4_XS) maps
-// each nibble to u = book value + 128 by a byte shuffle (`book_table`), m = -128 d. `gemv_q8`: 8-bit codes stored u = code + 128,
-// w = d * (u - 128) (ggml's Q8_0), or w = d * u + m with mins, a scale (and min) per
-// group of 1-16 blocks or per 16 columns (Q6_K's codes). x is quantized per call, per
+// each nibble to u = book value + 128 by a byte shuffle (`book_table`), m = -128 d
+// (`symmetric_offset`). `gemv_q8`: 8-bit codes stored u = code + 128, w = d * (u - 128)
+// (ggml's Q8_0), or w = d * u + m with mins, a scale (and min) per group of 1-16 blocks or
+// per 16 columns (a mixed group's codes). x is quantized per call, per
 // block of 32, to two int8 planes (`quantize_x`), and `vpdpbusd` multiplies codes and x
 // as exact integers, 64 code bytes at a time: a 4-bit block's sums land in one lane, an
 // 8-bit block's in eight. The two planes' sums are joined as integers (256 q + r: a
 // shift, where a second conversion and FMA stood), then scaled by d * dx / 256 in fp32.
-// A min (and the 4-bit symmetric offset, -8 d) multiplies the quantized x's sums per
+// A min (and the 4-bit layer's symmetric offset) multiplies the quantized x's sums per
 // block (or per 16 columns) in fp32; the 8-bit symmetric offset stays an integer.
 
 // Storage on 64-byte boundaries: every 64-byte load of x's planes then reads one cache
@@ -342,6 +343,12 @@ inline __m512 scaled_sums(__m512i q, __m512i r, __m512 scale, __m512 acc) {
                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), scale, acc));
 }
 
+// The offset m / d of a symmetric 4-bit layer's codes: -8, -16 or -32 for 4-, 5- and
+// 6-bit codes (`planes` of high bits), -128 for a code book's values (stored value + 128).
+constexpr float symmetric_offset(int planes, bool book) {
+  return book ? -128.f : -float(8 << planes);
+}
+
 // A code book's 16 stored values (value + 128) in each 128-bit lane, for `vpshufb`: the
 // nibbles index it.
 inline __m512i book_table(const uint8_t* book) {
@@ -430,7 +437,7 @@ inline float dot_q4(const uint8_t* codes, const uint8_t* high, const uint8_t* bo
   const float* sx = q.sx.data() + m * q.blocks;
   const float* sx16 = q.sx16.data() + m * q.blocks * 2;
   const __m512 unfine = _mm512_set1_ps(1.f / kFine);
-  const __m512 off = _mm512_set1_ps(kBook ? -128.f : -float(8 << kHigh));
+  const __m512 off = _mm512_set1_ps(symmetric_offset(kHigh, kBook));
   __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const int64_t left = std::min<int64_t>(16, nb - b);
@@ -562,7 +569,6 @@ inline float dot_q8_16(const uint8_t* codes, const uint16_t* d, const uint16_t* 
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
 }
 
-// The checks and the row loop both GEMVs over codes share.
 // The planes of high bits of a 4-bit weight's codes (0, 1 or 2: 4-, 5- or 6-bit codes),
 // from `high` [N, planes * K / 8], checked against codes [N, K / 2].
 int high_planes(const char* name, const std::optional<at::Tensor>& high, int64_t N, int64_t K) {
@@ -585,6 +591,7 @@ const uint8_t* code_book(const char* name, const std::optional<at::Tensor>& book
   return book->data_ptr<uint8_t>();
 }
 
+// The checks and the row loop both GEMVs over codes share.
 at::Tensor gemv_codes(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high,
                       const std::optional<at::Tensor>& book, int bits) {
@@ -701,10 +708,11 @@ at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 // ------------------------------------------------ prefill rows from the codes
 //
 // A prefill chunk multiplies bf16 rows of the weight; these operators dequantize them
-// from the GEMVs' own codes: w = u * d + m (m = -8 d or -128 d without mins) in fp32,
-// rounded once, as `QuantizedTensor.dequantize` computes it (u * d is exact: 8 by 11
-// bits at most, so one FMA rounds as u * d + m does). torch's ops over the interleaved
-// nibbles took 0.33 G weights/s, a third of a 512-row chunk's GEMM time.
+// from the GEMVs' own codes: w = u * d + m (without mins, m = `symmetric_offset` d for
+// the 4-bit layer, -128 d for the 8-bit one) in fp32, rounded once, as
+// `QuantizedTensor.dequantize` computes it (u * d is exact: 8 by 11 bits at most, so one
+// FMA rounds as u * d + m does). torch's ops over the interleaved nibbles took 0.33 G
+// weights/s, a third of a 512-row chunk's GEMM time.
 
 // Rows start .. start + n of codes [N, K * bits / 8] with fp16 scales (and mins) per
 // group of 16 * 2^gshift columns, and where their values go: checked once for both widths.
@@ -780,7 +788,7 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scales,
   const __m512i table = bp ? book_table(bp) : _mm512_setzero_si512();
   const int64_t high_bytes = rows.K / 8 * planes, nb = rows.K / 32, whole = nb / 16 * 16;
   const uint8_t* hp = planes ? high->data_ptr<uint8_t>() + start * high_bytes : nullptr;
-  const float offset = bp ? -128.f : -float(8 << planes);
+  const float offset = symmetric_offset(planes, bp != nullptr);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     alignas(64) uint8_t lo[256], hi[256];  // a step's codes, a block's 16 bytes together
     for (int64_t r = r0; r < r1; ++r) {
