@@ -104,7 +104,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids.extend(seq.run_ids(start, n))
             positions.extend(range(start, start + n))
-        meta = AttentionMetadata.build(batch, self.block_size, self.device)
+        decodes = next((i for i, (s, _) in enumerate(batch) if s.is_prefilling), len(batch))
+        meta = AttentionMetadata.build(batch, self.block_size, self.device, leading_decodes=decodes)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         return input_ids, pos, meta

@@ -71,22 +71,22 @@ class TorchOps(KernelOps):
         #: Plain fp32 matrices decode on `cpu_gemv.gemv_f32` (`linear`): set by
         #: `pack_linear` when it keeps one (`_keep_plain`).
         self._f32_gemv = False
-        #: The step's rows and how many of them lead as decode rows (`prepare`).
-        self._step_rows = self._lead_rows = 0
+        #: The step's rows and the groups its linears multiply apart (`prepare`).
+        self._step_rows, self._row_groups = 0, [0]
 
     def linear(self, x, w, b=None):
-        """Decode rows beside a prefill chunk are multiplied apart from it, as they are
-        when they decode alone: a decode GEMV and a prefill GEMM round differently
-        (SmolLM2's logits moved by up to 0.25), so another client's prompt would change
-        a greedy answer. The prefill rows' extra read of the weight is small next to
-        their GEMM. A compiled graph (a decode step or a round, never a prefill) does not
-        split: it runs without `prepare`, so the step's counts would be the last eager
-        step's."""
+        """A step's rows are multiplied in the groups `row_groups` makes of its
+        sequences, so that each sequence's rows take the kernel they take alone: a decode
+        GEMV and a prefill GEMM round differently (SmolLM2's logits moved by up to 0.25,
+        0.875 for a 3-token chunk), so another client's prompt would otherwise change a
+        greedy answer. A group beyond the first reads the weight once more. A compiled
+        graph (a decode step or a round, never a prefill) does not split: it runs
+        without `prepare`, so the step's groups would be the last eager step's."""
         if torch.compiler.is_compiling():
             return self._linear(x, w, b)
-        lead = self._lead_rows
-        if x.shape[0] > GemvLinear.MAX_ROWS and 0 < lead < x.shape[0] == self._step_rows:
-            return torch.cat((self._linear(x[:lead], w, b), self._linear(x[lead:], w, b)))
+        groups = self._row_groups
+        if len(groups) > 1 and x.shape[0] == self._step_rows:
+            return torch.cat([self._linear(part, w, b) for part in x.split(groups)])
         return self._linear(x, w, b)
 
     def _linear(self, x, w, b=None):
@@ -233,7 +233,10 @@ class TorchOps(KernelOps):
             for qlen, ctx, table in zip(meta.query_lens, meta.context_lens, tables, strict=True)
         ]
         meta.plan.update(starts=starts, masks=masks, lengths=lengths, tables=tables, few=few)
-        self._step_rows, self._lead_rows = offset, leading_decode_rows(meta.query_lens)
+        self._step_rows, self._row_groups = (
+            offset,
+            row_groups(meta.query_lens, meta.leading_decodes),
+        )
 
     def paged_attention(self, q, k_new, v_new, kv_store, layer, meta, scale):
         """Each sequence attends over its own pages only: a ragged batch is never padded
@@ -331,16 +334,41 @@ def gather_heads(kv_store, layer: int, table: torch.Tensor, length: int, dtype: 
 FEW_ROWS = 9
 
 
-def leading_decode_rows(query_lens) -> int:
-    """Rows of the step's leading sequences of a few rows each (decodes and speculative
-    rounds come first in a batch): multiplied on their own, they run the linears of the
-    step those sequences make once no prompt is prefilling beside them."""
-    rows = 0
-    for qlen in query_lens:
-        if qlen > FEW_ROWS:
-            break
-        rows += qlen
-    return rows
+#: Rows a linear takes and still runs its decode kernel (the GEMVs, torch's int4 kernel,
+#: float activations beside int8 ones); more run a GEMM, which rounds differently.
+DECODE_KERNEL_ROWS = GemvLinear.MAX_ROWS
+
+
+def row_groups(query_lens: list[int], decodes: int | None = None) -> list[int]:
+    """The row counts of the groups a step's linears multiply apart, in step order, such
+    that every sequence's rows take the kernel they take when that sequence runs alone.
+
+    The step's `decodes` leading sequences (decode tokens and speculative rounds, which
+    the scheduler puts first; None: the leading ones of at most `FEW_ROWS` rows) form one
+    group whatever their number: the rows they make once no prompt is prefilling beside
+    them (past `DECODE_KERNEL_ROWS` rows that is a GEMM, and a decode's numbers then
+    depend on how many others decode, which GEMVs of 16 rows would fix at about twice
+    the linears' time). After them, prefill chunks of at most `DECODE_KERNEL_ROWS` rows
+    share a group while it stays within that many rows (decode kernels are
+    row-invariant; the decodes' group too, when it is within that many), and longer
+    chunks share one (GEMMs, checked row-invariant by `tests/test_mixed_batch.py`)."""
+    if decodes is None:
+        decodes = next((i for i, q in enumerate(query_lens) if q > FEW_ROWS), len(query_lens))
+    groups = [sum(query_lens[:decodes])] if decodes else []
+    # short chunks may join the decodes' GEMV; nothing joins their GEMM
+    last_short = True if groups and groups[0] <= DECODE_KERNEL_ROWS else None
+    for qlen in query_lens[decodes:]:
+        short = qlen <= DECODE_KERNEL_ROWS
+        if (
+            groups
+            and short == last_short
+            and (not short or groups[-1] + qlen <= DECODE_KERNEL_ROWS)
+        ):
+            groups[-1] += qlen
+        else:
+            groups.append(qlen)
+        last_short = short
+    return groups or [0]
 
 
 def _decode_rows(

@@ -61,6 +61,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     #: [T] int64: the flat KV slot (block * block_size + offset) of each new token.
     slot_mapping: torch.Tensor
+    #: How many of the first sequences decode (a token, or a speculative round) rather
+    #: than prefill a chunk, where the caller knows (the engine's runner); None: kernels
+    #: that care tell them by their query lengths.
+    leading_decodes: int | None = None
     #: Per-step state a kernel backend derives once in `KernelOps.prepare` (masks, ...).
     plan: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +87,8 @@ class AttentionMetadata:
         batch: Seq[tuple[PagedSequence, int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        *,
+        leading_decodes: int | None = None,
     ) -> AttentionMetadata:
         """Metadata for running `n` new tokens of each sequence after its computed ones.
 
@@ -121,4 +127,5 @@ class AttentionMetadata:
             context_lens_tensor=tensor(context_lens, torch.int32),
             block_tables=tensor(tables, torch.int32),
             slot_mapping=tensor(slots, torch.int64),
+            leading_decodes=leading_decodes,
         )
