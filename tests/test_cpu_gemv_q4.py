@@ -92,6 +92,20 @@ def test_4_bit_rows_of_any_number_of_blocks(fmt, blocks):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("blocks", [3, 16, 18, 48])
+def test_each_row_of_a_call_is_that_row_alone(fmt, blocks):
+    """Rows of x go through the 4-bit GEMV four, two or one at a time (a chunk unpacked
+    once for all of them): every row of a 1- to 16-row call must be bit for bit what that
+    row computes alone, or a speculative round or a batch would change a greedy answer."""
+    inp = 32 * blocks
+    lin = codes_linear(_weight(fmt, 24, inp, seed=blocks))
+    x = _x(16, inp, seed=blocks)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(16)])
+    for rows in (2, 3, 4, 5, 6, 7, 9, 16):
+        assert torch.equal(lin(x[:rows]), alone[:rows]), (fmt, blocks, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_and_prefill_rows_against_float64(fmt):
     qt = _weight(fmt, 300, 100)  # 100 columns: padded to the group
     exact_w = qt.dequantize(torch.float64)
