@@ -381,6 +381,7 @@ def main() -> None:
         "--chain", type=int, default=2, help="passes per step: 2 trains draft 2's input too"
     )
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--mix", default="", help="shares of json,code,prose prompts, e.g. 0.8,0.1,0.1")
     ns = ap.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -392,7 +393,8 @@ def main() -> None:
     for p in lm.parameters():
         p.requires_grad_(False)
     functions = stdlib_functions()
-    classes = rng.choices(list(MIX), weights=list(MIX.values()), k=ns.prompts)
+    mix = dict(zip(MIX, (float(w) for w in ns.mix.split(",")), strict=True)) if ns.mix else MIX
+    classes = rng.choices(list(mix), weights=list(mix.values()), k=ns.prompts)
     prompts = [conversation(c, rng, functions) for c in classes]
     print(f"loaded in {time.time() - t0:.0f}s; answering {len(prompts)} prompts", flush=True)
     data = transcripts(tok, lm, prompts, ns.new, batch=16)
