@@ -94,9 +94,9 @@ def test_4_bit_rows_of_any_number_of_blocks(fmt, blocks):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("blocks", [3, 16, 18, 48])
 def test_each_row_of_a_call_is_that_row_alone(fmt, blocks):
-    """Rows of x go through the 4-bit GEMV four, two or one at a time (a chunk unpacked
-    once for all of them): every row of a 1- to 16-row call must be bit for bit what that
-    row computes alone, or a speculative round or a batch would change a greedy answer."""
+    """Every row of a 1- to 16-row call must be bit for bit what that row computes alone,
+    or a speculative round or a batch would change a greedy answer (a kernel that shares
+    work between rows must keep each row's arithmetic the lone row's)."""
     inp = 32 * blocks
     lin = codes_linear(_weight(fmt, 24, inp, seed=blocks))
     x = _x(16, inp, seed=blocks)
