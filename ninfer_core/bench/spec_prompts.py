@@ -19,6 +19,7 @@ package); `tests/test_bench_spec.py` checks the built-in prompts against the gen
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -198,11 +199,14 @@ def builtin_tool_prompt(turn: ToolTurn) -> tuple[list[dict], list[dict]]:
     return messages, [TOOLS[t] for t in turn.tools]
 
 
-def agent_conversation(p: AgentPrompt, *, tools_in_text: bool) -> tuple[list[dict], list | None]:
+def agent_conversation(
+    p: AgentPrompt, *, tools_in_text: bool, definitions: Mapping[str, dict] = TOOLS
+) -> tuple[list[dict], list | None]:
     """(messages, tools) of an agent prompt. `tools_in_text`: for a template that ignores
     `tools`, the definitions go into the system message and the call and its result into
-    plain turns, in the Hermes style most chat models were tuned on."""
-    tools = [TOOLS[t] for t in p.tools]
+    plain turns, in the Hermes style most chat models were tuned on. `definitions`: where
+    `p.tools` are looked up (other tools than the bench's, for a training set)."""
+    tools = [definitions[t] for t in p.tools]
     name, args = p.call
     result = json.dumps(p.result)
     if not tools_in_text:
@@ -227,7 +231,7 @@ def agent_conversation(p: AgentPrompt, *, tools_in_text: bool) -> tuple[list[dic
     ], None  # fmt: skip
 
 
-def _renders_tools(text: PromptText) -> bool:
+def renders_tools(text: PromptText) -> bool:
     """Whether the model's template shows the tool definitions it is given."""
     assert text.template is not None
     probe = [{"role": "user", "content": "hi"}]
@@ -263,5 +267,5 @@ def class_prompts(
             ids = text.tokenizer.encode(rendered + "<tool_call>\n", add_special_tokens=False)
             out.append((turn.name, ids))
         return out
-    in_text = not _renders_tools(text)
+    in_text = not renders_tools(text)
     return [(p.name, text.chat_ids(*agent_conversation(p, tools_in_text=in_text))) for p in AGENT]
