@@ -10,6 +10,7 @@ per round. The baseline (no speculation, compiled decode step when compiling) is
 beside them: its ms a token is the "plain step" a round competes with.
 
     GOMP_SPINCOUNT=10000 python bench/spec_round.py --threads 2 --class json --k 3
+    python bench/spec_round.py --model smollm2-mtp.ninfer --lm-head-draft --configs verify+draft
 
 Configurations (`--configs`): `eager` (nothing compiled), `verify` (`--compile-decode`:
 decode step and verifying forward compiled), `verify+draft` (also the MTP drafter's
@@ -60,13 +61,13 @@ class Clock:
         setattr(owner, name, timed)
 
 
-def build(loaded, host, device, dtype: str, compile_decode: bool, k: int, draft: bool):
+def build(loaded, host, device, dtype: str, compile_decode: bool, k: int, draft: bool, head: bool):
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.generation import one_request_engine
     from ninfer_core.spec.config import SpecConfig
 
     runtime = RuntimeConfig(dtype=dtype, max_context=1024, compile_decode=compile_decode)
-    spec = SpecConfig(spec="mtp", draft_tokens=k) if k else None
+    spec = SpecConfig(spec="mtp", draft_tokens=k, lm_head_draft=head) if k else None
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime, spec=spec)
     if k and not draft and getattr(engine.drafter, "compiled", None) is not None:
         engine.drafter.compiled = None  # the draft steps eager
@@ -121,19 +122,23 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--configs", default="eager,verify,verify+draft")
+    p.add_argument("--model", help="an artifact with an MTP layer (default: the built-in model)")
+    p.add_argument("--lm-head-draft", action="store_true", help="draft through its reduced head")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     host, device = create_host(), probe_device(use_cuda=False)
-    loaded = load_model(default_model(), host=host, device=device,
+    loaded = load_model(args.model or default_model(), host=host, device=device,
                         runtime=RuntimeConfig(dtype=args.dtype))  # fmt: skip
     text = PromptText.from_loaded(loaded, Tokenizer.from_artifact(loaded.artifact))
-    prompts = class_prompts(args.cls, text, builtin=True)
+    prompts = class_prompts(args.cls, text, builtin=args.model is None)
     names = args.configs.split(",")
     engines = {}
     for name in names:
         compiled = name != "eager"
-        engines[name] = build(loaded, host, device, args.dtype, compiled, args.k, "draft" in name)
-        engines[f"{name} baseline"] = build(loaded, host, device, args.dtype, compiled, 0, False)
+        engines[name] = build(loaded, host, device, args.dtype, compiled, args.k, "draft" in name,
+                              args.lm_head_draft)  # fmt: skip
+        engines[f"{name} baseline"] = build(loaded, host, device, args.dtype, compiled, 0, False,
+                                            False)  # fmt: skip
     best: dict[str, tuple[float, dict, int]] = {}
     for run in range(args.runs + 1):  # run 0 compiles and warms
         order = list(engines) if run % 2 else list(engines)[::-1]
