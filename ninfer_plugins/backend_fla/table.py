@@ -65,6 +65,5 @@ def op_support(device: DeviceInfo, workload: KernelWorkload | None) -> dict[str,
     """{op: Support} for `workload` on `device`; every op is answered alike (both read
     the compute dtype only)."""
     base = device_support(device)
-    if base.ok:
-        base = dtype_support(workload.compute_dtype if workload else None) or base
-    return dict.fromkeys(OPS, base)
+    refusal = dtype_support(workload.compute_dtype if workload else None) if base.ok else None
+    return dict.fromkeys(OPS, base if refusal is None else refusal)
