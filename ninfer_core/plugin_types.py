@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ninfer_core.kv.hadamard import HeadRotation
     from ninfer_core.kv.layout import KVLayout
     from ninfer_core.kv.pages import KVPages
-    from ninfer_core.kv.state import StepStates
+    from ninfer_core.kv.state import SequenceStatePool, StepStates
     from ninfer_core.memory.planner import PackedBytes
     from ninfer_core.model.attention_meta import AttentionMetadata
     from ninfer_core.model.caches import ModelCaches
@@ -175,14 +175,24 @@ class DecodeGraph(Protocol):
         kv_store: KVStore,
         block_table: torch.Tensor,
         context: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state_pool: SequenceStatePool | None = None,
+        state_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """One decode token of each of B sequences as a single traceable function (no
         host reads, no Python branching on tensor values) for `torch.compile`:
         input_ids, positions: [B]; block_table: [B, P] int64 pages covering each
         context, padded with page 0; context: [B] int64, each context length with this
         token. Reads the cached K/V but writes nothing: returns (logits [B, vocab] fp32,
-        the tokens' k and v [num_layers, B, Hkv, D]) for the caller to store
-        (`KVStore.write_layers`)."""
+        the tokens' k and v [paged layers, B, Hkv, D]) for the caller to store
+        (`KVStore.write_layers`).
+
+        A model with state layers (`ModelFamily.layer_caches`) is passed the runtime's
+        `state_pool` and `state_rows` [B] int64, the rows of the pool's buffers holding
+        each sequence's current state (`StepStates.read_rows`); it reads them but writes
+        nothing either, and returns after k and v every state layer's next states, in
+        layer order, each layer's tensors as it declares them ([B, *shape]), for the
+        caller to write and commit (`StepStates.write`). A model without is called
+        without them."""
         ...
 
 
@@ -195,7 +205,9 @@ class VerifyGraph(Protocol):
         block_table: torch.Tensor,
         context: torch.Tensor,
         width: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        state_pool: SequenceStatePool | None = None,
+        state_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """A speculative round's forward as one traceable function: each of B sequences
         runs `width` rows (its pending token, then its drafts), input_ids, positions
         [B * width] sequence-major; block_table [B, P] as `DecodeGraph`'s; context [B]
@@ -203,7 +215,12 @@ class VerifyGraph(Protocol):
         `DecodeGraph` computes that token decoded alone (bit for bit where its kernels
         allow: speculation's greedy output must not change). Writes nothing: returns
         (logits [B * width, vocab] fp32, final hidden states [B * width, hidden], k, v
-        [num_layers, B * width, Hkv, D]) for the caller to store the real rows'."""
+        [paged layers, B * width, Hkv, D]) for the caller to store the real rows'.
+
+        A sequence with fewer real rows is padded with copies of its last row (its
+        position repeated). A model with state layers takes `state_pool`, `state_rows`
+        and returns the next states after k and v, as `DecodeGraph` does: the states
+        after each sequence's real rows, padded ones left out."""
         ...
 
 

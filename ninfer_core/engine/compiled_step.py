@@ -6,7 +6,10 @@ dispatch; on the CPU they cost more than the GEMMs of a 4-bit model
 softmax into a few C++ kernels around the GEMM calls. The model offers the step as one
 traceable function (`CausalLM.decode_graph`: it reads the cache and returns the new K/V
 instead of writing them); this module compiles it once, feeds it the step's inputs and
-stores the K/V it returns (`KVStore.write_layers`).
+stores the K/V it returns (`KVStore.write_layers`). A model with per-sequence states (the
+hybrid family's Gated DeltaNet layers) also reads each sequence's state from the state pool
+and returns the next ones, which are written and committed here (`StepStates`), as after an
+eager step.
 
 The eager forward stays the reference and the fallback: every step the compiled
 function does not take (prefill or a step mixing it, more than `max_batch` sequences,
@@ -36,6 +39,7 @@ import torch
 from ninfer_core.model.ops import decode_length
 
 if TYPE_CHECKING:
+    from ninfer_core.kv.state import SequenceStatePool, StepStates
     from ninfer_core.model.attention_meta import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -44,9 +48,12 @@ log = logging.getLogger(__name__)
 def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
     """Why the decode step of `model` over `kv_store` can't be captured, or None."""
     from ninfer_core.kernels.reference import TorchOps
+    from ninfer_core.model.moe import SparseMoE
 
     if model.decode_graph is None:  # an optional `CausalLM` member, declared by every model
         return "the model family offers no decode graph"
+    if any(isinstance(m, SparseMoE) for m in model.modules()):
+        return "sparse MoE layers pick their experts on the host, which a graph cannot capture"
     if type(model.ops) is not TorchOps:
         return (
             f"kernel ops come from {model.ops.name!r}, not only the torch reference "
@@ -79,9 +86,16 @@ class CompiledDecode:
     MAX_BATCH = 8
 
     def __init__(
-        self, model: torch.nn.Module, kv_store, block_size: int, max_batch: int = 1
+        self,
+        model: torch.nn.Module,
+        kv_store,
+        block_size: int,
+        max_batch: int = 1,
+        states: SequenceStatePool | None = None,
     ) -> None:
         self.kv_store, self.block_size = kv_store, block_size
+        #: The per-sequence states the graph reads and advances (None: a model without).
+        self.states = states
         self.max_batch = max(1, min(max_batch, self.MAX_BATCH))
         self._fn = compile_graph(
             own_code(model.decode_graph), fixed=FIXED_ARGUMENTS, dynamic=DYNAMIC_ARGUMENTS
@@ -100,26 +114,56 @@ class CompiledDecode:
         )
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        step: StepStates | None = None,
     ) -> torch.Tensor | None:
-        """logits [B, vocab] fp32 for the prepared decode step (its K/V stored), or None
-        when the compiled function failed: the caller runs the step eagerly."""
+        """logits [B, vocab] fp32 for the prepared decode step (its K/V stored, and the
+        batch's next states written into `step`, for the caller to commit), or None when
+        the compiled function failed: the caller runs the step eagerly."""
         table = page_table(meta, meta.context_lens, self.block_size)
         context = torch.tensor(meta.context_lens, dtype=torch.int64)
+        args = (input_ids, positions, self.kv_store, table, context)
         try:
-            logits, k, v = self._fn(input_ids, positions, self.kv_store, table, context)
+            logits, k, v, *states = self._fn(*args, *state_args(self.states, step))
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled decode step failed, decoding eagerly from now on: %s",
                         self.failed)  # fmt: skip
             return None
         self.kv_store.write_layers(meta.slot_mapping, k, v)
+        write_states(step, states)
         self.steps += 1
         return logits
 
 
+def state_args(pool: SequenceStatePool | None, step: StepStates | None) -> tuple:
+    """The graph's trailing arguments for a model with state layers: the pool (fixed) and
+    the batch's current rows of its buffers [B]; none for a model without."""
+    if pool is None:
+        return ()
+    if step is None:
+        raise ValueError("a model with per-sequence states needs the step's states")
+    return pool, step.read_rows
+
+
+def write_states(step: StepStates | None, states: Seq[torch.Tensor]) -> None:
+    """Write the next states a graph returned (every state layer's tensors, in layer
+    order) into `step`; committing them is the caller's, after the whole step."""
+    if step is None:
+        return
+    at = 0
+    for layer, bufs in step.pool.buffers.items():
+        step.write(layer, states[at : at + len(bufs)])
+        at += len(bufs)
+    if at != len(states):
+        raise ValueError(f"the graph returned {len(states)} state tensors, the pool keeps {at}")
+
+
 #: The arguments of `decode_graph` and `verify_graph` fixed for a runtime's life.
-FIXED_ARGUMENTS = ("self", "kv_store")
+FIXED_ARGUMENTS = ("self", "kv_store", "state_pool")
 #: Their argument with a dynamic dimension: the page table's page count (`page_table`).
 DYNAMIC_ARGUMENTS = {"block_table": 1}
 

@@ -11,12 +11,15 @@ proposed) is padded to the width with copies of its last row, whose outputs are 
 one graph serves every round, and every row is computed as the compiled decode step
 computes it alone, so greedy output stays the (compiled) baseline's in bf16.
 
-It takes a step only when every sequence decodes (its rows are its pending token and its
-drafts) and the compiled decode step is usable: same refusals (`capture_refusal`), plus
-a family without a verify graph, a KV store that changes what it stores (the rows read
-their earlier rows' K/V as computed, the lone decode reads them back from the pool), and
-models with per-sequence states (their rounds are replayed, `engine/speculation.py`).
-A failure is logged once and the step is rerun eagerly, as for the decode step.
+It takes a step only when every sequence decodes (its rows are its pending tokens and its
+drafts: more than one pending token on a model with per-sequence states, replaying a round
+that rejected a draft, `engine/speculation.py`) and the compiled decode step is usable:
+same refusals (`capture_refusal`), plus a family without a verify graph and a KV store
+that changes what it stores (the rows read their earlier rows' K/V as computed, the lone
+decode reads them back from the pool). A model with states gets them back as after the
+sequence's real rows, written and left for the runner to commit, as the eager forward
+leaves them; the round is then rolled back as an eager one is. A failure is logged once
+and the step is rerun eagerly, as for the decode step.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ from ninfer_core.engine.compiled_step import (
     failure_reason,
     own_code,
     page_table,
+    state_args,
+    write_states,
 )
 
 if TYPE_CHECKING:
     from ninfer_core.engine.sequence import Sequence
+    from ninfer_core.kv.state import SequenceStatePool, StepStates
     from ninfer_core.model.attention_meta import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -61,9 +67,17 @@ class CompiledVerify:
     `width` rows) through the compiled `verify_graph`, one graph per batch size."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_store, block_size: int, width: int, max_batch: int = 1
+        self,
+        model: torch.nn.Module,
+        kv_store,
+        block_size: int,
+        width: int,
+        max_batch: int = 1,
+        states: SequenceStatePool | None = None,
     ) -> None:
         self.kv_store, self.block_size, self.width = kv_store, block_size, width
+        #: The per-sequence states the graph reads and advances (None: a model without).
+        self.states = states
         self.max_batch = max(1, min(max_batch, CompiledDecode.MAX_BATCH))
         # As the decode step's: the batch size and width static, the page count dynamic.
         self._fn = compile_graph(
@@ -75,12 +89,13 @@ class CompiledVerify:
         self.steps = 0
 
     def takes(self, batch: Seq[tuple[Sequence, int]]) -> bool:
-        """Whether this step is one it runs: every sequence runs its pending token and its
-        drafts (no prefill), at most `width` rows."""
+        """Whether this step is one it runs: every sequence runs at most `width` rows (its
+        pending tokens and its drafts, or a short prompt's last tokens: every row is
+        computed as a lone decode of it would be)."""
         return (
             self.failed is None
             and 0 < len(batch) <= self.max_batch
-            and all(n == 1 + len(seq.draft_ids) <= self.width for seq, n in batch)
+            and all(1 + len(seq.draft_ids) <= n <= self.width for seq, n in batch)
         )
 
     def run(
@@ -89,9 +104,11 @@ class CompiledVerify:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
+        step: StepStates | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [T, vocab] fp32, final hidden [T, hidden]) of the step's T rows in
-        batch order, their K/V stored; None when the compiled function failed (the caller
+        batch order, their K/V stored and the batch's next states written into `step`
+        (for the caller to commit); None when the compiled function failed (the caller
         runs the step eagerly: nothing was written)."""
         w, bs = self.width, self.block_size
         counts = [n for _, n in batch]
@@ -108,10 +125,9 @@ class CompiledVerify:
         ends = list(meta.context_lens)  # each sequence's context after its last row
         table = page_table(meta, ends, bs)
         context = torch.tensor([c - n + 1 for c, n in zip(ends, counts, strict=True)])
+        args = (input_ids[index], positions[index], self.kv_store, table, context, w)
         try:
-            logits, hidden, k, v = self._fn(
-                input_ids[index], positions[index], self.kv_store, table, context, w
-            )
+            logits, hidden, k, v, *states = self._fn(*args, *state_args(self.states, step))
         except Exception as exc:  # the compiler or its output, not the request
             self.failed = failure_reason(exc)
             log.warning("compiled verify step failed, verifying eagerly from now on: %s",
@@ -121,5 +137,6 @@ class CompiledVerify:
             keep = torch.tensor(real, dtype=torch.int64)
             logits, hidden, k, v = logits[keep], hidden[keep], k[:, keep], v[:, keep]
         self.kv_store.write_layers(meta.slot_mapping, k, v)
+        write_states(step, states)
         self.steps += 1
         return logits, hidden

@@ -11,7 +11,7 @@ from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.compiled_step import CompiledDecode
 from ninfer_core.engine.compiled_verify import CompiledVerify, verify_refusal
 from ninfer_core.engine.sequence import Sequence
-from ninfer_core.kv.state import SequenceStatePool
+from ninfer_core.kv.state import SequenceStatePool, StepStates
 from ninfer_core.memory.heap import HeapTrimmer
 from ninfer_core.model.attention_meta import AttentionMetadata
 
@@ -80,12 +80,11 @@ class ModelRunner:
         step is not compiled: nothing to match)."""
         if self.compiled is None:
             return None
-        refusal = "the model keeps per-sequence states" if self.states is not None else None
-        refusal = refusal or verify_refusal(self.model, self.kv_store)
+        refusal = verify_refusal(self.model, self.kv_store)
         if refusal is None:
             self.verify = CompiledVerify(
                 self.model, self.kv_store, self.block_size, 1 + draft_tokens,
-                self.compiled.max_batch,
+                self.compiled.max_batch, self.states,
             )  # fmt: skip
         return refusal
 
@@ -147,30 +146,41 @@ class ModelRunner:
             self.heap.maybe_trim()  # a prefill step: new shapes, large temporaries
         input_ids, positions, meta = self.prepare(batch)
         plain = rows is None and not keep_hidden
+        step = None if self.states is None else self.states.step([s.state_slot for s, _ in batch])
         if not plain and self.verify is not None and self.verify.takes(batch):
-            out = self.verify.run(batch, input_ids, positions, meta)
+            out = self.verify.run(batch, input_ids, positions, meta, step)
             if out is not None:  # else it failed (and said why): run the step eagerly
-                for seq, n in batch:
-                    seq.num_computed_tokens += n
-                return StepForward(out[0], out[1] if keep_hidden else None)
+                logits = out[0][final_rows(meta) if rows is None else rows]  # [T] -> chosen
+                return self._advanced(
+                    batch, step, StepForward(logits, out[1] if keep_hidden else None)
+                )
         if plain and self.compiled is not None and self.compiled.takes(batch):
-            logits = self.compiled.run(input_ids, positions, meta)
+            logits = self.compiled.run(input_ids, positions, meta, step)
             if logits is not None:  # else it failed (and said why): run the step eagerly
-                for seq, n in batch:
-                    seq.num_computed_tokens += n
-                return StepForward(logits)
-        if self.states is None:
+                return self._advanced(batch, step, StepForward(logits))
+        if step is None:
             hidden = self.model(input_ids, positions, meta, self.kv_store)  # [T, hidden]
         else:
-            step = self.states.step([seq.state_slot for seq, _ in batch])
             hidden = self.model(input_ids, positions, meta, self.kv_store, states=step)
         if rows is None:
-            rows = meta.query_start_loc[1:].long() - 1  # [B]: each final row
+            rows = final_rows(meta)
         logits = self.model.compute_logits(hidden[rows])
-        if self.states is not None:
+        return self._advanced(batch, step, StepForward(logits, hidden if keep_hidden else None))
+
+    def _advanced(
+        self, batch: Seq[tuple[Sequence, int]], step: StepStates | None, out: StepForward
+    ) -> StepForward:
+        """After a forward that succeeded: its states made current, the computed counts
+        advanced; returns `out`."""
+        if step is not None:
             step.commit()  # only now: a forward that raised left every state as it was
         for seq, n in batch:
             seq.num_computed_tokens += n
-            if self.states is not None:
+            if step is not None:
                 seq.state_position = seq.num_computed_tokens
-        return StepForward(logits, hidden if keep_hidden else None)
+        return out
+
+
+def final_rows(meta: AttentionMetadata) -> torch.Tensor:
+    """[B]: each sequence's last row of the flat step."""
+    return meta.query_start_loc[1:].long() - 1

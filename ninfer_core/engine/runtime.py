@@ -176,7 +176,7 @@ def assemble_runtime(
     if spec.compile_decode:
         refusal = capture_refusal(model, store)
         if refusal is None:
-            compiled = CompiledDecode(model, store, spec.block_size, spec.max_sequences)
+            compiled = CompiledDecode(model, store, spec.block_size, spec.max_sequences, states)
         else:
             log.warning("--compile-decode: decoding eagerly: %s", refusal)
     runner = ModelRunner(model, store, blocks, states, compiled)

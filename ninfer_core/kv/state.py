@@ -141,6 +141,12 @@ class StepStates:
     def batch_size(self) -> int:
         return int(self.slots.shape[0])
 
+    @property
+    def read_rows(self) -> torch.Tensor:
+        """[B] int64: the rows of each state buffer holding the batch's current states
+        (what a graph reads; `read` selects them)."""
+        return self._read
+
     def read(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer `layer`'s states of the batch: one [B, *shape] tensor per state tensor."""
         return tuple(buf.index_select(0, self._read) for buf in self.pool.buffers[layer])

@@ -72,7 +72,9 @@ class GatedAttention(nn.Module):
     ) -> None:
         super().__init__()
         base = config.base
-        self.ops, self.kv_index = ops, kv_index
+        #: The pool's layer number, under both names the callers use (`layer`: the
+        #: dense `Attention`'s, read by `model/decode_graph.attend_cached`).
+        self.ops, self.kv_index, self.layer = ops, kv_index, kv_index
         self.num_heads, self.num_kv_heads = base.num_heads, base.num_kv_heads
         self.head_dim, self.rotary_dim = base.head_dim, config.rotary_dim
         self.q_size, self.kv_size = base.q_size, base.kv_size
@@ -92,6 +94,15 @@ class GatedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
+        q, gate, k, v = self.project(x, cos, sin)
+        out = self.ops.paged_attention(q, k, v, kv_store, self.kv_index, meta, self.scale)
+        return self.output(out, gate)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """x: [T, hidden] -> q [T, H, D] (normed, rotated), its gate [T, H, D], k
+        [T, Hkv, D] (normed, rotated), v [T, Hkv, D]."""
         t, d = x.shape[0], self.head_dim
         qkv = self.ops.linear(x, self.qkv_proj)
         qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -99,8 +110,11 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
         q, k = self._rope(q, k, cos, sin)
-        v = v.reshape(t, self.num_kv_heads, d)
-        out = self.ops.paged_attention(q, k, v, kv_store, self.kv_index, meta, self.scale)
+        return q, gate, k, v.reshape(t, self.num_kv_heads, d)
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The attention's rows out [T, H, D], gated by `gate` [T, H, D] -> [T, hidden]."""
+        t = out.shape[0]
         out = out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size))
         return self.ops.linear(out, self.o_proj)
 
@@ -166,14 +180,24 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, c.num_key_heads, c.key_head_dim)
         k = k.reshape(t, c.num_key_heads, c.key_head_dim)
         v = v.reshape(t, c.num_value_heads, c.value_head_dim)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
+        beta, g = self.gates(b, a)
         out = self.ops.gated_delta_rule(q, k, v, g, beta, recurrent, cu_seqlens)
         states.write(self.layer, (conv_state, recurrent))
+        return self.output(out, z)
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """b, a: [T, Hv] -> beta (the write strength, in (0, 1)) and g (the log-decay,
+        fp32, <= 0), [T, Hv] each."""
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        return torch.sigmoid(b), g
+
+    def output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The recurrence's rows out [T, Hv, Dv], normed and gated by z [T, Hv, Dv],
+        projected back -> [T, hidden]."""
         # Qwen3NextRMSNormGated: plain w (not 1 + w), then * silu(z) in fp32.
         normed = self.ops.rms_norm(out, self.norm_weight, self.eps)
         gated = (normed * F.silu(z.float())).to(self.dtype)
-        return self.ops.linear(gated.reshape(t, c.value_dim), self.out_proj)
+        return self.ops.linear(gated.reshape(out.shape[0], self.cfg.value_dim), self.out_proj)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: [T, hidden] -> q|k|v [T, conv_dim] (contiguous), z [T, Hv, Dv], b, a

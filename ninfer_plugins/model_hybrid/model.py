@@ -22,6 +22,7 @@ from ninfer_core.model.rope import RotaryEmbedding
 from ninfer_core.model.weights import WeightSlot
 from ninfer_core.quant.tensor import QuantizedTensor
 from ninfer_plugins.model_hybrid.config import HybridConfig
+from ninfer_plugins.model_hybrid.graph import hybrid_graph
 from ninfer_plugins.model_hybrid.layers import GatedAttention, GatedDeltaNet, ZeroCentredRMSNorm
 
 if TYPE_CHECKING:
@@ -78,10 +79,6 @@ class HybridLayer(nn.Module):
 class HybridDecoder(nn.Module):
     """Token ids in, final hidden states out; `compute_logits` projects the chosen rows."""
 
-    #: Every step runs `forward`: the state layers' ops loop over sequences on the host.
-    decode_graph = None
-    verify_graph = None
-
     def __init__(
         self,
         config: HybridConfig,
@@ -136,6 +133,29 @@ class HybridDecoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, kv_store, meta, states, cu_seqlens)
         return self.norm(x)
+
+    def decode_graph(
+        self, input_ids, positions, kv_store, block_table, context, state_pool=None,
+        state_rows=None,
+    ):  # fmt: skip
+        """One decode token per sequence, capturable whole (`graph.py`): logits, the
+        attention layers' K/V, and the Gated DeltaNet layers' new states."""
+        hidden, keys, values, *states = hybrid_graph(
+            self, input_ids, positions, kv_store, block_table, context, 1, state_pool, state_rows
+        )
+        return self.compute_logits(hidden), keys, values, *states
+
+    def verify_graph(
+        self, input_ids, positions, kv_store, block_table, context, width: int,
+        state_pool=None, state_rows=None,
+    ):  # fmt: skip
+        """A speculative round's `width` rows a sequence, each computed as `decode_graph`
+        computes it alone; the states come back as after the sequence's real rows."""
+        hidden, keys, values, *states = hybrid_graph(
+            self, input_ids, positions, kv_store, block_table, context, width, state_pool,
+            state_rows,
+        )  # fmt: skip
+        return self.compute_logits(hidden), hidden, keys, values, *states
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> the residual stream's first values [T, hidden], fp32."""
