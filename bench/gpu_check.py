@@ -1,14 +1,18 @@
 """Check and time every GPU kernel backend against the torch reference, on one machine.
 
 For each kernel backend the plugin host registers (`--backends`, default torch, triton,
-cupy), every op it provides for the case's workload is:
+cupy, fla), every op it provides for the case's workload is:
 
 (a) checked on fresh random data against a float reference (float64 math, or the
     reference's fp32 GEMM over the same dequantized weights): linear for each weight
     format at a decode (T=1) and a prefill (T=512) shape, paged attention over plain,
     int8 and rk8v4 pages (one step mixing decode rows and a prefill chunk), rms_norm,
-    rope and silu_and_mul; the table prints the max relative error per op (max|out -
-    ref| / max|ref|) and flags one above the dtype's tolerance (exit status 1);
+    rope and silu_and_mul, and the Gated DeltaNet ops at Qwen3.5's head sizes
+    (gated_delta_rule's output and final states, causal_conv1d; decode rows, one
+    prefill sequence, and a step mixing both, against the reference run in float64;
+    the reference's own fp32 rows time it beside the GPU backends); the table prints
+    the max relative error per op (max|out - ref| / max|ref|) and flags one above the
+    dtype's tolerance (exit status 1);
 (b) timed with CUDA events (warm-up, then the median): decode GEMV as GB/s of weights
     read against a measured device copy bandwidth, prefill GEMM as TFLOP/s against a
     measured fp16 `torch.matmul` of 8192 x 8192;
@@ -43,6 +47,28 @@ from typing import Any
 FORMATS = ("Q4G64", "Q5G64", "Q6G64", "W8G32", "Q4G32", "Q4G32M")
 #: Relative error above which a result is flagged (output rounding plus accumulation).
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 4e-2}
+
+
+@dataclass(frozen=True)
+class DeltaSizes:
+    """The Gated DeltaNet shapes one run checks: key heads, value heads, head dim (Dk =
+    Dv), conv width, and the steps (each a list of sequence lengths)."""
+
+    key_heads: int
+    value_heads: int
+    head_dim: int
+    width: int
+    steps: tuple[tuple[int, ...], ...]
+
+    @property
+    def conv_dim(self) -> int:  # the conv runs over q | k | v
+        return (2 * self.key_heads + self.value_heads) * self.head_dim
+
+
+#: Qwen3.5's (16 key heads, 32 value heads of 128, conv width 4): 32 decode rows, a
+#: 2048-token prompt, and a 512-token chunk beside 8 decode rows.
+DELTA_GPU = DeltaSizes(16, 32, 128, 4, ((1,) * 32, (2048,), (512,) + (1,) * 8))
+DELTA_INTERPRET = DeltaSizes(2, 4, 16, 4, ((1,) * 3, (40,), (20, 1, 3)))
 
 
 @dataclass(frozen=True)
@@ -208,7 +234,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="no GPU: the Triton kernels' checks in Triton's interpreter, tiny sizes",
     )
-    p.add_argument("--backends", default="torch,triton,cupy", help="kernel backends to check")
+    p.add_argument("--backends", default="torch,triton,cupy,fla", help="kernel backends to check")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -309,7 +335,7 @@ def _failed(exc: Exception) -> str:
 
 def check_ops(run: Run, sizes: Sizes) -> None:
     for dtype in sizes.dtypes:
-        for section in (check_linear, check_attention, check_pointwise):
+        for section in (check_linear, check_attention, check_pointwise, check_delta_rule):
             if run.left() <= 0:
                 run.rows.append(Row("-", section.__name__[6:], "-", dtype, note="skipped: budget"))
                 continue
@@ -482,9 +508,70 @@ def check_pointwise(run: Run, sizes: Sizes, dtype: str) -> None:
             record(run, Row(name, op, case, dtype), lambda c=call, o=ops: c(o), ref, rate)
 
 
+def check_delta_rule(run: Run, sizes: Sizes, dtype: str) -> None:
+    """gated_delta_rule (its output, then the final states) and causal_conv1d for each
+    step of `DELTA_GPU` (`DELTA_INTERPRET` on the CPU), each backend against the
+    reference run in float64 on the same inputs."""
+    gen = run.torch.Generator().manual_seed(11)
+    for lengths in (DELTA_GPU if run.timed else DELTA_INTERPRET).steps:
+        _delta_step(run, DELTA_GPU if run.timed else DELTA_INTERPRET, lengths, dtype, gen)
+
+
+def _delta_step(run: Run, shape: DeltaSizes, lengths: tuple[int, ...], dtype: str, gen) -> None:
+    from ninfer_core.kernels import delta_rule
+    from ninfer_core.kernels.workload import KernelWorkload
+
+    torch = run.torch
+    dt = dtype_of(torch, dtype)
+    hk, hv, d = shape.key_heads, shape.value_heads, shape.head_dim
+    t, b = sum(lengths), len(lengths)
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    same = len(set(lengths)) == 1
+    case = f"{b}x{lengths[0]}" if same else f"{lengths[0]}+{b - 1} seqs"
+    case += f" [{hk}/{hv}x{d}]"
+
+    def rand(*size, scale=1.0):
+        return (scale * torch.randn(*size, generator=gen)).to(run.where)
+
+    q, k, v = rand(t, hk, d).to(dt), rand(t, hk, d).to(dt), rand(t, hv, d).to(dt)
+    g = torch.nn.functional.logsigmoid(rand(t, hv) + 3)  # fp32 log-decays near 1
+    beta, s0 = torch.sigmoid(rand(t, hv)).to(dt), rand(b, hv, d, d, scale=0.1)
+    x = rand(t, shape.conv_dim).to(dt)
+    w, c0 = rand(shape.conv_dim, shape.width).to(dt), rand(b, shape.conv_dim, shape.width - 1)
+    want_s = s0.double()
+    want = delta_rule.gated_delta_rule(*(a.double() for a in (q, k, v, g, beta)), want_s, offsets)
+    conv_ref = delta_rule.causal_conv1d(x.double(), w.double(), None, c0.double(), offsets)
+    workload = KernelWorkload(None, None, dt)
+    # every state read and written once, q, k, v read and o written
+    moved = 2 * s0.numel() * 4 + (2 * q.numel() + 2 * v.numel()) * dt.itemsize
+    for name, ops in each_backend(run, "gated_delta_rule", case, dtype, workload):
+        states = s0.clone()
+        row = Row(name, "gated_delta_rule", case, dtype)
+        state_row = Row(name, "gated_delta_rule", f"{case} states", dtype)
+
+        def step(o=ops, st=states):  # advances `states` in place: timed without a copy
+            return o.gated_delta_rule(q, k, v, g, beta, st, offsets)
+
+        try:
+            row.err = rel_err(step(), want)
+            state_row.err = rel_err(states, want_s)
+            if run.timed and run.left() > 0:
+                row.ms = cuda_ms(torch, step)
+                row.rate = f"{moved / row.ms / 1e6:.0f} GB/s"
+        except Exception as exc:  # one failing kernel is a row, not the end of the check
+            row.note = _failed(exc)
+        run.rows += [row, state_row]
+    for name, ops in each_backend(run, "causal_conv1d", case, dtype, workload):
+
+        def conv(o=ops):
+            return o.causal_conv1d(x, w, None, c0.clone(), offsets)
+
+        record(run, Row(name, "causal_conv1d", case, dtype), conv, conv_ref, None)
+
+
 def print_table(run: Run) -> None:
     print(
-        f"\n{'backend':<8} {'op':<13} {'dtype':<5} {'case':<34} {'max rel err':>11}  "
+        f"\n{'backend':<8} {'op':<16} {'dtype':<5} {'case':<34} {'max rel err':>11}  "
         f"{'ms':>8}  rate"
     )
     for r in run.rows:
@@ -492,7 +579,7 @@ def print_table(run: Run) -> None:
         flag = " HIGH" if r.high else ""
         ms = f"{r.ms:.3f}" if r.ms is not None else "-"
         print(
-            f"{r.backend:<8} {r.op:<13} {r.dtype:<5} {r.case:<34} {err:>11}{flag}  {ms:>8}  "
+            f"{r.backend:<8} {r.op:<16} {r.dtype:<5} {r.case:<34} {err:>11}{flag}  {ms:>8}  "
             f"{r.rate}{r.note}"
         )
     high = [r for r in run.rows if r.high]
