@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ninfer_core.kv.hadamard import HeadRotation
     from ninfer_core.kv.layout import KVLayout
     from ninfer_core.kv.pages import KVPages
-    from ninfer_core.kv.state import SequenceStatePool, StepStates
+    from ninfer_core.kv.state import StepStates
     from ninfer_core.memory.planner import PackedBytes
     from ninfer_core.model.attention_meta import AttentionMetadata
     from ninfer_core.model.caches import ModelCaches
@@ -175,8 +175,6 @@ class DecodeGraph(Protocol):
         kv_store: KVStore,
         block_table: torch.Tensor,
         context: torch.Tensor,
-        state_pool: SequenceStatePool | None = None,
-        state_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """One decode token of each of B sequences as a single traceable function (no
         host reads, no Python branching on tensor values) for `torch.compile`:
@@ -186,13 +184,13 @@ class DecodeGraph(Protocol):
         the tokens' k and v [paged layers, B, Hkv, D]) for the caller to store
         (`KVStore.write_layers`).
 
-        A model with state layers (`ModelFamily.layer_caches`) is passed the runtime's
-        `state_pool` and `state_rows` [B] int64, the rows of the pool's buffers holding
-        each sequence's current state (`StepStates.read_rows`); it reads them but writes
-        nothing either, and returns after k and v every state layer's next states, in
-        layer order, each layer's tensors as it declares them ([B, *shape]), for the
-        caller to write and commit (`StepStates.write`). A model without is called
-        without them."""
+        A model with state layers (`ModelFamily.layer_caches`) takes two more arguments,
+        `state_pool` (the runtime's `SequenceStatePool`) and `state_rows` [B] int64, the
+        rows of the pool's buffers holding each sequence's current state
+        (`StepStates.read_rows`); it reads them but writes nothing either, and returns
+        after k and v every state layer's next states, in layer order, each layer's
+        tensors as it declares them ([B, *shape]), for the caller to write and commit
+        (`StepStates.write`). A model without is called without them."""
         ...
 
 
@@ -205,8 +203,6 @@ class VerifyGraph(Protocol):
         block_table: torch.Tensor,
         context: torch.Tensor,
         width: int,
-        state_pool: SequenceStatePool | None = None,
-        state_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """A speculative round's forward as one traceable function: each of B sequences
         runs `width` rows (its pending token, then its drafts), input_ids, positions
