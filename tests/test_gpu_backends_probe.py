@@ -20,6 +20,7 @@ from ninfer_core.kernels.compose import plan_kernels
 from ninfer_core.kernels.workload import KernelWorkload
 from ninfer_core.plugin_host import create_host
 from ninfer_plugins.backend_cupy import table as cupy_table
+from ninfer_plugins.backend_fla import table as fla_table
 from ninfer_plugins.backend_triton import table as triton_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,19 @@ def with_triton(monkeypatch):
     monkeypatch.setattr(triton_table, "triton_installed", lambda: True)
 
 
+@pytest.fixture
+def no_fla(monkeypatch):
+    """fla-core absent: the Gated DeltaNet ops come from the reference."""
+    monkeypatch.setattr(fla_table, "fla_installed", lambda: False)
+
+
+@pytest.fixture
+def with_fla(monkeypatch):
+    """fla-core present: a simulated card is answered from its spec, fla is not imported."""
+    monkeypatch.setattr(fla_table, "fla_installed", lambda: True)
+    monkeypatch.setattr(fla_table, "triton_installed", lambda: True)
+
+
 def test_on_this_cpu_machine_both_gpu_backends_are_refused_with_reasons(no_cupy, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     choices = plan(CPU, KernelWorkload(frozenset({"Q4G64", "fp32"}), "fp32", torch.float32))
@@ -91,7 +105,7 @@ def test_probe_prints_both_refusals_here(capsys):
 @pytest.mark.parametrize("card", ["rtx3090", "h100"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_simulated_cards_get_triton_per_op_and_the_reference_for_delta_rule_ops(
-    card, dtype, with_triton, no_cupy
+    card, dtype, with_triton, no_cupy, no_fla
 ):
     workload = KernelWorkload(frozenset({"Q4G64", "Q6G64", "bf16"}), "int8", dtype)
     choices = plan(simulated_device(card), workload)
@@ -101,6 +115,19 @@ def test_simulated_cards_get_triton_per_op_and_the_reference_for_delta_rule_ops(
     sm = simulated_device(card).cuda.sm_version
     assert f"SM{sm}" in choices["linear"].reason
     assert "highest priority providing it (20)" in choices["linear"].reason
+
+
+@pytest.mark.parametrize("card", ["rtx3090", "h100"])
+def test_simulated_cards_get_the_delta_rule_ops_from_fla_when_installed(
+    card, with_triton, no_cupy, with_fla
+):
+    workload = KernelWorkload(frozenset({"Q4G64", "bf16"}), "fp16", torch.bfloat16)
+    choices = plan(simulated_device(card), workload)
+    assert backends(choices) == dict.fromkeys(TRITON_OPS, "triton") | dict.fromkeys(
+        REFERENCE_OPS, "fla"
+    )
+    for op in REFERENCE_OPS:
+        assert "highest priority providing it (15)" in choices[op].reason
 
 
 def test_triton_refuses_bf16_on_an_sm75_card(with_triton, no_cupy):
@@ -167,7 +194,7 @@ def test_forcing_cupy_for_linear_when_present(with_triton, with_cupy):
     assert backends(choices)["attention"] == "triton"
 
 
-def test_probe_device_spec_prints_the_per_op_choices(with_triton, capsys):
+def test_probe_device_spec_prints_the_per_op_choices(with_triton, no_fla, capsys):
     assert main(["probe", "--device-spec", "rtx3090", "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "kernel ops (which backend serves each, and why)" in out

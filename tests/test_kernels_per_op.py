@@ -249,7 +249,7 @@ class PickyBackend:
 
 
 #: Built-in backends that refuse a machine without a GPU (they are passed over on this one).
-GPU_BACKENDS = frozenset({"triton", "cupy"})
+GPU_BACKENDS = frozenset({"triton", "cupy", "fla"})
 
 
 def cpu_side(passed_over: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
