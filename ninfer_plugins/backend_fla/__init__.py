@@ -32,7 +32,6 @@ class FlaBackend:
     #: GPU backend does, so on a GPU it wins them over the reference (0).
     priority = 15
     attention_scratch = None  # it provides no attention
-    attention_scratch = None  # it provides no attention
 
     def supports(self, device: DeviceInfo) -> Support:
         return table.device_support(device)
