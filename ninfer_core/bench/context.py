@@ -47,6 +47,9 @@ class ContextBenchConfig:
     threads: int = opt(0, "torch threads; 0: one per available core")
     repeats: int = opt(1, "timed requests per point; each figure is the best of them")
     out: str | None = opt(None, "where the two random models are cached")
+    compile_decode: bool = opt(
+        False, "decode both models through the compiled step (`--compile-decode`)"
+    )
     as_json: bool = opt(False, "print the figures as JSON", flag="--json")
 
     def context_list(self) -> list[int]:
@@ -86,7 +89,7 @@ class _Model:
         return stats, cpu.share
 
 
-def _open(name: str, path: Path, dtype: str, context: int) -> _Model:
+def _open(name: str, path: Path, dtype: str, context: int, compile_decode: bool) -> _Model:
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
     from ninfer_core.generation import one_request_engine
@@ -94,7 +97,7 @@ def _open(name: str, path: Path, dtype: str, context: int) -> _Model:
     from ninfer_core.plugin_host import create_host
 
     host, device = create_host(), probe_device()
-    runtime = RuntimeConfig(dtype=dtype, max_context=context)
+    runtime = RuntimeConfig(dtype=dtype, max_context=context, compile_decode=compile_decode)
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
     return _Model(name, path, loaded, engine)
@@ -137,11 +140,11 @@ def run_bench(
     paths = ensure_models(cfg.size, Path(cfg.out) if cfg.out else None)
     capacity = contexts[-1] + max(cfg.new, WARMUP_TOKENS) + 1  # the longest request fits
     load_before = os.getloadavg()
-    models = [_open(name, paths[name], cfg.dtype, capacity) for name in MODELS]
+    models = [_open(name, paths[name], cfg.dtype, capacity, cfg.compile_decode) for name in MODELS]
     points: dict[str, list[dict[str, Any]]] = {name: [] for name in MODELS}
     try:
         prompt = prompt_ids(paths["hybrid"], contexts[-1])  # one tokenizer for both
-        for model in models:
+        for model in models:  # also compiles the decode step, with --compile-decode
             model.generate(prompt[: min(64, len(prompt))], WARMUP_TOKENS)
         for context in contexts:
             for model in models:  # alternately, so both see the same machine
@@ -167,6 +170,7 @@ def run_bench(
         "threads": threads,
         "new_tokens": cfg.new,
         "repeats": cfg.repeats,
+        "compile_decode": cfg.compile_decode,
         "load_average": [load_before, os.getloadavg()],
         "torch": torch.__version__,
         "models": {
@@ -247,7 +251,9 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"size {result['size']}, {result['dtype']}, {result['threads']} threads, "
         f"{result['new_tokens']} tokens decoded after each prompt, best of "
-        f"{result['repeats']}; load average (1 min) {load[0][0]:.2f} before, "
+        f"{result['repeats']}"
+        + ("; decode compiled (--compile-decode)" if result.get("compile_decode") else "")
+        + f"; load average (1 min) {load[0][0]:.2f} before, "
         f"{load[1][0]:.2f} after (on {os.cpu_count()} CPUs)"
     ]
     for name, m in result["models"].items():
