@@ -5,12 +5,18 @@ name from `formats.FORMATS`. Rules are keyed by *role* -- the projection a name 
 in -- and the roles that the runtime fuses into one matrix (q|k|v, gate|up) share a
 single rule, so their row blocks always have one format and can be concatenated.
 
-- `mixed`: embeddings and head Q6G64; q/k/v and gate/up Q4G64; o and down Q5G64.
+- `mixed`: embeddings and head Q6G64; the matrices a layer's input goes through (q/k/v,
+  gate/up, a Gated DeltaNet's q|k|v|z, the MTP layer's fc) Q4G64; the ones writing back
+  into the residual stream (o, down, a Gated DeltaNet's out) Q5G64; a Gated DeltaNet's
+  b|a rows, which set each head's decay and write strength, W8G32.
 - `q4`, `q6`, `w8`: every 2-D matrix (embeddings and head included) in one format.
 - `bf16`: every tensor, 1-D included, as bf16 (bit-identical to a bf16 checkpoint).
 
 Everything else -- norms, biases, any 1-D tensor, and in `mixed` any 2-D matrix of no
-known role -- keeps its source precision (fp32, bf16 or fp16).
+known role (a MoE router, a shared expert's gate: a few rows each) -- keeps its source
+precision (fp32, bf16 or fp16). A MoE block's experts and shared expert are `gate_proj`,
+`up_proj` and `down_proj` matrices like any MLP's (stacked experts are listed per expert,
+`model/stacked_experts.py`), so they take those roles' formats.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ ROLE_GROUPS: dict[str, tuple[str, ...]] = {
     "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
+    # Gated DeltaNet (Qwen3-Next fuses q|k|v|z and b|a in the checkpoint; Qwen3.5 keeps
+    # them apart, and the runtime fuses them into the same two matrices at load).
+    "linear_in": ("in_proj_qkvz", "in_proj_qkv", "in_proj_z"),
+    "linear_gates": ("in_proj_ba", "in_proj_b", "in_proj_a"),
+    "linear_out": ("out_proj",),
+    # The MTP layer's projection of [embedding | hidden] back to the hidden size.
+    "mtp_fc": ("fc",),
 }
 _ROLE_OF = {module: group for group, modules in ROLE_GROUPS.items() for module in modules}
 
@@ -102,15 +115,18 @@ def _uniform(fmt: str) -> dict[str, str]:
     return dict.fromkeys(ROLE_GROUPS, fmt)
 
 
-_MIXED = {"embed": "Q6G64", "head": "Q6G64", "qkv": "Q4G64", "gate_up": "Q4G64"}
-_MIXED |= {"o": "Q5G64", "down": "Q5G64"}
+_MIXED = {"embed": "Q6G64", "head": "Q6G64"}
+_MIXED |= dict.fromkeys(("qkv", "gate_up", "linear_in", "mtp_fc"), "Q4G64")
+_MIXED |= dict.fromkeys(("o", "down", "linear_out"), "Q5G64")
+_MIXED |= {"linear_gates": "W8G32"}
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe(
             "mixed",
-            "embeddings/head Q6G64, q/k/v and gate/up Q4G64, o/down Q5G64; rest at source",
+            "embeddings/head Q6G64; q/k/v, gate/up, DeltaNet q|k|v|z, MTP fc Q4G64; "
+            "o, down, DeltaNet out Q5G64; DeltaNet b|a W8G32; rest at source",
             _MIXED,
         ),
         Recipe("q4", "every 2-D matrix Q4G64; 1-D tensors at source", _uniform("Q4G64"), "Q4G64"),
