@@ -227,6 +227,27 @@ class PackedSizer(Protocol):
         ...
 
 
+class AttentionScratch(Protocol):
+    def __call__(
+        self,
+        *,
+        tokens: int,
+        few_rows: int,
+        context: int,
+        num_heads: int,
+        head_dim: int,
+        dtype_bytes: int,
+        rotated: bool,
+    ) -> int:
+        """Bytes `paged_attention` allocates for one layer of a step of `tokens` query
+        rows, `few_rows` of them in decode-shaped sequences (one token, or a speculative
+        round), every sequence at `context` tokens, the output included; `rotated`: the
+        store keeps K and V rotated (rk8v4), so q and the output are rotated on the way.
+        For a backend whose attention reads the pages where they lie, so that the memory
+        plan counts that instead of a gathered copy of each sequence's context."""
+        ...
+
+
 class ProvidesOps(Protocol):
     def __call__(self, device: DeviceInfo) -> dict[str, Support]:
         """Per op this backend provides (`ninfer_core.kernels.compose.OPS`: `linear`,
@@ -637,6 +658,11 @@ class KernelBackend(Plugin, Protocol):
         but is refused `linear` for a run with int8 activations, which it could not see.
         """
         ...
+
+    #: None: its `paged_attention` (if it provides one) gathers each sequence's pages into
+    #: a dense copy, as the reference does, and the memory plan counts that copy. Otherwise
+    #: what its attention allocates instead, reading the pages in place (`AttentionScratch`).
+    attention_scratch: AttentionScratch | None = None
 
     #: None: every op, wherever `supports` says yes. Otherwise the ops it provides, each
     #: with a `Support` for the device and (when it takes `workload`) for what will run;

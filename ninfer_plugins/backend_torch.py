@@ -32,6 +32,9 @@ class TorchBackend:
     description = "PyTorch reference kernels (F.linear, SDPA over gathered KV pages)"
     priority = 0
     provides = None  # every op, wherever `supports` says yes
+    #: The reference gathers each sequence's pages (the CPU's in-place decode operator is
+    #: counted by the workspace estimate itself).
+    attention_scratch = None
 
     def supports(self, device: DeviceInfo) -> Support:
         return Support.yes("runs wherever torch runs")

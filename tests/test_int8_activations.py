@@ -302,6 +302,7 @@ class BlindBackend:
     description = "test backend whose ops never learn the workload"
     priority = 30
     provides = None
+    attention_scratch = None
 
     def supports(self, device) -> Support:
         return Support.yes()

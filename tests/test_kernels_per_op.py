@@ -52,6 +52,7 @@ class LinearOnlyBackend:
     name = "fake-linear"
     description = "test backend: F.linear only"
     priority = 10
+    attention_scratch = None
 
     def supports(self, device) -> Support:
         return Support.yes()
@@ -225,6 +226,7 @@ class PickyBackend:
     name = "picky"
     description = "test backend that reads the workload"
     priority = 20
+    attention_scratch = None
 
     def __init__(self) -> None:
         self.seen = []

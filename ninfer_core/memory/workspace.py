@@ -3,7 +3,10 @@
 Two ways to get it:
 
 - `estimate_workspace` computes it from shapes alone (what `ninfer plan` uses, with no
-  weights loaded). It follows the torch reference backend, where the step's largest live
+  weights loaded), for the attention kernel selection picked: one that reads the pages
+  in place declares what it allocates (`KernelBackend.attention_scratch`, the Triton
+  backend's), and nothing of the context is copied. Otherwise it follows the torch
+  reference backend, where the step's largest live
   set is attention at any real context: each sequence's pages are gathered whole and
   decoded to the compute dtype (quantized codecs through fp32 temporaries), one sequence
   after another; on the CPU, decode rows over float pages read them in place instead
@@ -39,7 +42,7 @@ from ninfer_core.kernels.reference import FEW_ROWS
 from ninfer_core.model.caches import ModelCaches, SequenceState
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import decode_length
-from ninfer_core.plugin_types import KVCodec, KVStore
+from ninfer_core.plugin_types import AttentionScratch, KVCodec, KVStore
 
 if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
@@ -104,6 +107,7 @@ def estimate_workspace(
     block_size: int = 16,
     caches: ModelCaches | None = None,
     device_kind: str = "cpu",
+    attention_scratch: AttentionScratch | None = None,
 ) -> Workspace:
     """Peak bytes of the worst step, stage by stage, from shapes (see the module doc).
 
@@ -114,7 +118,9 @@ def estimate_workspace(
     `caches`: what each layer keeps (the family's `layer_caches`); a state layer adds
     its stage (`linear_attention_bytes`). None: every layer is attention. `device_kind`:
     on the CPU, decode rows may read the pages in place (`cpu_attention.serves`), so only
-    a prefill chunk gathers its context.
+    a prefill chunk gathers its context. `attention_scratch`: what the chosen attention
+    kernel allocates instead of gathering (`KernelBackend.attention_scratch`: it reads
+    the pages in place, builds no mask, and holds no copy of any context).
     """
     if kv_store is None:
         if kv_codec is None:
@@ -142,6 +148,14 @@ def estimate_workspace(
         in_place = rows * hq * (2 * d + chunks * (d + 2)) * 4
         gathered = context * hkv * d if qmax > FEW_ROWS else 0
         previous = scores = 0
+    outputs = 2 * t * hq * d * c  # per sequence, then concatenated
+    if attention_scratch is not None:
+        few = (b - 1) + (qmax if qmax <= FEW_ROWS else 0)
+        outputs = attention_scratch(
+            tokens=t, few_rows=few, context=s_kv, num_heads=hq, head_dim=d, dtype_bytes=c,
+            rotated=kv_store.rotation is not None,
+        )  # fmt: skip
+        gathered = previous = mask = scores = in_place = 0
     parts = {
         # Live all step: the residual stream (a layer's input and its output), the mask, RoPE.
         "step": 2 * t * h * c + mask + t * d * c,
@@ -158,7 +172,7 @@ def estimate_workspace(
             + previous
             + max(mask * c, scores)
             + in_place
-            + 2 * t * hq * d * c
+            + outputs
         ),
         # Normed input, gate|up, silu(gate), silu(gate) * up, the down projection.
         "mlp": 2 * t * h * c + 4 * t * i * c,

@@ -29,6 +29,7 @@ class CupyBackend:
     description = "CuPy/NVRTC CUDA C kernels: dequantize-GEMV over packed weight codes"
     #: Below Triton's (20), above the reference's (0).
     priority = 10
+    attention_scratch = None  # it provides no attention
 
     def supports(self, device: DeviceInfo) -> Support:
         return table.device_support(device)

@@ -30,6 +30,8 @@ class TritonBackend:
     description = "Triton kernels: fused dequantize + GEMM, paged attention over KV codes, norms"
     #: Above the CuPy backend's and the reference's: where it serves an op, it is the fastest.
     priority = 20
+    #: Its paged attention reads the KV pages in place: the plan counts this, not a copy.
+    attention_scratch = staticmethod(table.attention_scratch)
 
     def supports(self, device: DeviceInfo) -> Support:
         return table.device_support(device)

@@ -31,7 +31,7 @@ from ninfer_core.kernels.reference import FEW_ROWS
 from ninfer_core.kv.pages import KVPages, PagePool
 from ninfer_core.kv.plain import PlainKVStore
 from ninfer_core.model.attention_meta import AttentionMetadata
-from ninfer_plugins.backend_triton.table import interpreting
+from ninfer_plugins.backend_triton.table import MIN_SPLIT, interpreting
 
 #: Where `prepare` leaves its per-step plan in `AttentionMetadata.plan`.
 PLAN_KEY = "triton_attention"
@@ -42,8 +42,6 @@ _INTERPRET = interpreting()
 #: Tile sizes: tiny under the interpreter (every launch runs on the CPU with numpy).
 KEY_BLOCK = 16 if _INTERPRET else 64
 PREFILL_ROWS_BLOCK = 16 if _INTERPRET else 64
-#: Keys per split-KV part, at least (a part shorter than this costs more to merge).
-MIN_SPLIT = 256
 _LOG2E = 1.4426950408889634
 
 

@@ -48,6 +48,32 @@ DENSE_FORMATS = frozenset({"fp16", "bf16", "fp32"})
 ATTENTION_KV_CODECS = frozenset({"fp16", "bf16", "fp32", "int8", "rk8v4"})
 #: The ops this backend provides; the Gated DeltaNet ops come from the reference.
 OPS = ("linear", "attention", "rms_norm", "rope", "silu_and_mul")
+#: Keys per split-KV part of a few-row sequence, at least (`attention.py`: a part shorter
+#: than this costs more to merge than it saves).
+MIN_SPLIT = 256
+
+
+def attention_scratch(
+    *,
+    tokens: int,
+    few_rows: int,
+    context: int,
+    num_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    rotated: bool,
+) -> int:
+    """What `attention.paged_attention` allocates for one layer (`AttentionScratch`): the
+    output [T, H, D]; with a rotated store the rotated q and output (each through an fp32
+    product); and, for the few-row
+    sequences, the split-KV partials and their (max, sum) in fp32, at most one part per
+    `MIN_SPLIT` keys. Prefill tiles keep their running softmax in registers and read the
+    pages in place, so nothing of the context is copied."""
+    out = tokens * num_heads * head_dim * dtype_bytes
+    rotation = 2 * tokens * num_heads * head_dim * (4 + dtype_bytes) if rotated else 0
+    parts = max(1, context // MIN_SPLIT) if few_rows else 0
+    partials = parts * few_rows * num_heads * (head_dim + 2) * 4 if parts > 1 else 0
+    return out + rotation + partials
 
 
 def interpreting() -> bool:

@@ -50,6 +50,8 @@ class DenseLinearBackend:
     description = "example plugin: linear only (F.linear, dense weights); reference for the rest"
     #: Below the reference's 0: serves `linear` only when asked for.
     priority = -10
+    #: It provides no attention.
+    attention_scratch = None
 
     def supports(self, device: DeviceInfo) -> Support:
         return Support.yes("F.linear runs wherever torch runs")
