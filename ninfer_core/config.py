@@ -31,6 +31,12 @@ class RuntimeConfig:
         "the compute dtype; auto: the compute dtype everywhere",
     )
     kv_dtype: str = opt("auto", "KV cache codec (see `ninfer probe`); auto: the compute dtype")
+    recipe: str = opt(
+        "auto",
+        "quantize the checkpoint's dense matrices while loading, as `ninfer convert --recipe "
+        "NAME` stores them (mixed, q4, q6, w8, bf16); none: keep its precision; auto: keep it "
+        "where the memory plan fits, else mixed",
+    )
     gemm_backend: str = opt(
         "auto", "kernel backend for the ops it provides (see `ninfer probe`); auto: per op"
     )

@@ -34,6 +34,7 @@ from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.layers import held_tensors
 from ninfer_core.plugin_host import PluginHost, create_host
 from ninfer_core.plugin_types import Artifact, CausalLM, KernelOps, ModelFamily
+from ninfer_core.quant.at_load import with_recipe
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,9 @@ def load_model(
     path: str | Path, *, host: PluginHost, device: DeviceInfo, runtime: RuntimeConfig
 ) -> LoadedModel:
     start = time.perf_counter()
-    artifact = open_artifact(host, path)
+    # `--recipe NAME` quantizes dense matrices on their way in (`auto` was resolved by the
+    # memory plan: here it keeps the checkpoint's precision).
+    artifact = with_recipe(open_artifact(host, path), runtime.recipe)
     family, config = family_and_config(host, artifact)
     dtype = compute_dtype(runtime.dtype, device)
     # The kernels are chosen for what will run: the artifact's weight formats (headers

@@ -123,12 +123,25 @@ def workspace_by_hand(s: int, keys: int | None = None) -> int:
     return step + attention
 
 
-def plan_8b(host, memory=RTX3090, **kw):
+def in_place_by_hand() -> int:
+    """The estimate for Qwen3-8B, fp16, rk8v4, a 1024-token step of 2 sequences at 32768,
+    when attention reads the pages in place (Triton's `attention_scratch`): the attention
+    stage holds no context, so the MLP's is the largest."""
+    t, c = 1024, 2
+    step = 2 * t * 4096 * c + t * 128 * c  # residual stream, RoPE; no mask
+    mlp = 2 * t * 4096 * c + 4 * t * 12288 * c
+    return step + mlp
+
+
+def plan_8b(host, memory=RTX3090, in_place=False, **kw):
+    """`in_place`: attention as the Triton backend runs it (the plan of a simulated GPU)."""
     codec = host.kv_codecs.get(kw.pop("kv", "rk8v4"))
     ctx = kw.pop("max_context", 32768)
+    scratch = host.kernel_backends.get("triton").attention_scratch if in_place else None
     ws = estimate_workspace(
-        CFG, dtype=torch.float16, kv_codec=codec, prefill_chunk=1024, context=ctx, concurrency=2
-    )
+        CFG, dtype=torch.float16, kv_codec=codec, prefill_chunk=1024, context=ctx,
+        concurrency=2, attention_scratch=scratch,
+    )  # fmt: skip
     return plan_memory(
         CFG,
         weights_bytes=weights_bytes(CFG, torch.float16),
@@ -375,12 +388,14 @@ def test_plan_cli_table(qwen3_8b_folder, capsys, host):
     assert out[1] == "KV codec rk8v4: 57600 bytes/token (36 layers x 1600)"
     rows = {line[:22].strip(): line[22:].split() for line in out[4:] if "GiB" in line}
     assert rows["weights"][:2] == ["15.26", "GiB"]
-    assert rows["KV pool"][2:4] == ["116592", "tokens"]
-    assert rows["activation workspace"][0] == f"{857_899_008 / GIB:.2f}"
+    left = 23 * GIB - 16_381_470_720 - in_place_by_hand() - 740_881_858
+    assert rows["KV pool"][2:4] == [str(left // (16 * 57_600) * 16), "tokens"]
+    assert rows["activation workspace"][0] == f"{in_place_by_hand() / GIB:.2f}"
     assert rows["reserved headroom"][0] == "0.69"
     assert rows["total"][:2] == ["23.00", "GiB"]
     memory = device_memory(simulated_device("rtx3090"))
-    assert "\n".join(out[1:]) == render_table(plan_8b(host, memory=memory, kv_capacity="auto"))
+    want = plan_8b(host, memory=memory, in_place=True, kv_capacity="auto")
+    assert "\n".join(out[1:]) == render_table(want)
 
 
 def test_plan_for_a_recipe_counts_the_converted_sizes(qwen3_8b_folder, capsys):
@@ -418,21 +433,40 @@ def test_plan_cli_json(qwen3_8b_folder, capsys, host):
     assert data["kv_codec"] == "rk8v4" and data["kv_bytes_per_token"] == 57_600
     assert len(data["kv_layers"]) == 36 and data["kv_layers"][0]["bytes_per_token"] == 1600
     assert (data["pool_tokens"], data["pool_pages"], data["kv_capacity"]) == (40000, 2500, 40000)
-    assert data["workspace"]["nbytes"] == 857_899_008
+    # Triton's attention on the simulated card reads the pages in place: no gathered copy.
+    assert data["workspace"]["nbytes"] == in_place_by_hand() == 134_479_872
     assert data["workspace"]["method"] == "estimate"
     assert data["memory"]["free"] == 23 * GIB
-    assert data["free_after_bytes"] == plan_8b(host, kv_capacity=40000).free_after_bytes
+    want = plan_8b(host, in_place=True, kv_capacity=40000)
+    assert data["free_after_bytes"] == want.free_after_bytes
 
 
 def test_plan_cli_issue_command_says_what_fits(qwen3_8b_folder, capsys):
     """Qwen3-8B in fp16 weights (15.3 GiB) and 184320 tokens of rk8v4 do not fit on 23 GiB."""
-    assert main(["plan", str(qwen3_8b_folder), *ISSUE_ARGS]) == 1
+    assert main(["plan", str(qwen3_8b_folder), *ISSUE_ARGS, "--recipe", "none"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
     assert line.startswith("ninfer plan: error: --kv-capacity 184320 needs ")
     assert ", 23.00 GiB free; the largest that fits is " in line
     assert "less than --max-context 184320" in line
+
+
+def test_recipe_auto_quantizes_only_what_does_not_fit(qwen3_8b_folder, capsys):
+    """`--recipe auto` (the default): fp16 where it fits (32K above), else the weights as
+    `--recipe mixed` holds them, said in the weights row; `--recipe mixed` asked for plans
+    the same bytes whether or not fp16 fits."""
+    args = ["plan", str(qwen3_8b_folder), *ISSUE_ARGS, "--json"]
+    assert main(args) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["weights_dtype"] == "fp16, mixed recipe (--recipe auto: fp16 did not fit)"
+    assert main([*args, "--recipe", "mixed"]) == 0
+    mixed = json.loads(capsys.readouterr().out)
+    assert mixed["weights_dtype"] == "fp16, mixed recipe"
+    assert auto["weights_bytes"] == mixed["weights_bytes"] < 16_381_470_720 / 3
+    small = ["plan", str(qwen3_8b_folder), "--device-spec", "rtx3090", "--json"]
+    assert main(small) == 0
+    assert json.loads(capsys.readouterr().out)["weights_dtype"] == "fp16"
 
 
 def test_plan_cli_refuses_fp8_on_sm86_in_one_line(qwen3_8b_folder, capsys):

@@ -19,11 +19,15 @@ from ninfer_core.config import RuntimeConfig
 from ninfer_core.device import DeviceInfo
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.errors import NInferError
+from ninfer_core.kernels.compose import REFERENCE, OpChoice, plan_kernels
 from ninfer_core.kernels.int8_act import activation_dtype_name
 from ninfer_core.kernels.workload import KernelWorkload, workload_for
 from ninfer_core.memory.planner import (
+    AutoCapacityTooSmallError,
+    CapacityDoesNotFitError,
     MemoryConfig,
     MemoryPlan,
+    MemoryPlanError,
     PackedBytes,
     device_memory,
     parse_kv_capacity,
@@ -33,16 +37,12 @@ from ninfer_core.memory.planner import (
 from ninfer_core.memory.table import render_json, render_table
 from ninfer_core.memory.workspace import estimate_workspace
 from ninfer_core.plugin_host import PluginHost
-from ninfer_core.plugin_types import Artifact, KVCodec, ModelFamily
+from ninfer_core.plugin_types import Artifact, AttentionScratch, KVCodec, ModelFamily
+from ninfer_core.quant.at_load import AUTO_RECIPE, KEEP, QuantizingArtifact, quantizes, with_recipe
 from ninfer_core.quant.recipes import recipe
+from ninfer_core.serve.config import ServeConfig
 from ninfer_core.spec.config import SpecConfig
 from ninfer_core.spec.types import DraftMemory
-
-#: EngineConfig fields that do not change the memory plan (kv_capacity: MemoryConfig's).
-#: `--prefix-cache` does: a model with state layers keeps state snapshots for it.
-ENGINE_SKIP = (
-    "max_pending_requests", "pending_timeout_ms", "kv_capacity", "state_snapshot_interval"
-)  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,16 +51,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="show where memory goes at startup (weights, KV pool, workspace); loads nothing",
     )
     p.add_argument("model", nargs="?", help="model folder (default: the small built-in model)")
-    add_config_arguments(p, RuntimeConfig, skip=("block_size", "max_context", "threads"))
-    add_config_arguments(p, EngineConfig, skip=ENGINE_SKIP)
+    # Every `ninfer-serve` option, so that a serve command plans as it is pasted; the
+    # server's own (address, key, queue) change nothing in the plan. `--kv-capacity` (which
+    # may be `auto`) is MemoryConfig's.
+    add_config_arguments(p, RuntimeConfig, skip=("block_size", "max_context"))
+    add_config_arguments(p, EngineConfig, skip=("kv_capacity",))
     add_config_arguments(p, SpecConfig)
     add_config_arguments(p, MemoryConfig)
-    p.add_argument(
-        "--recipe",
-        metavar="NAME",
-        help="plan the weights as `ninfer convert --recipe NAME` would store them "
-        "(a conversion not yet made; see `ninfer convert --help` for the names)",
-    )
+    add_config_arguments(p, ServeConfig)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=run)
 
@@ -68,23 +66,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _packed_bytes(
     host: PluginHost,
     device: DeviceInfo,
-    backend: str,
+    choices: list[OpChoice],
     dtype: torch.dtype,
-    kernel: str | None = None,
     workload: KernelWorkload | None = None,
 ) -> PackedBytes | None:
     """What the kernel backend packs each projection into, or None: it repacks nothing.
 
-    Asked of the backend itself (`packed_nbytes`, from shapes alone; a backend whose
-    `packed_nbytes` is None is probed with a 1x1 dense weight); only on the CPU, where
-    packing happens and asking touches no GPU.
+    Asked of the backend `choices` picked for `linear` (`packed_nbytes`, from shapes
+    alone; a backend whose `packed_nbytes` is None is probed with a 1x1 dense weight);
+    only on the CPU, where packing happens and asking touches no GPU.
     """
-    from ninfer_core.kernels.compose import create_ops, plan_kernels
+    from ninfer_core.kernels.compose import create_ops
     from ninfer_core.quant.formats import weight_format
 
     if device.cuda is not None:
         return None
-    choices = plan_kernels(host, device, backend, kernel, workload=workload)
     [linear] = [c for c in choices if c.op == "linear"]
     ops = create_ops(host, device, linear.backend, workload)  # as compose_ops makes them
     sizer = getattr(ops, "packed_nbytes", None)  # optional; a partial backend may omit it
@@ -97,6 +93,15 @@ def _packed_bytes(
     return lambda fmt, shape: (
         None if weight_format(fmt).quantized else shape[0] * shape[1] * dtype.itemsize
     )
+
+
+def _attention_scratch(host: PluginHost, choices: list[OpChoice]) -> AttentionScratch | None:
+    """What the chosen attention kernel allocates in place of a gathered context, or None:
+    it gathers (the reference), and the workspace estimate counts that."""
+    [attention] = [c for c in choices if c.op == "attention"]
+    if attention.backend == REFERENCE:
+        return None
+    return host.kernel_backends.get(attention.backend).attention_scratch
 
 
 def _draft_memory(
@@ -173,16 +178,9 @@ def make_plan(
         raise NInferError("no KV codec supports this device (see `ninfer probe`)")
     codec = host.kv_codecs.get(codec_name)
     path = ns.model or str(default_model())
-    artifact = open_artifact(host, path)
-    family, config = family_and_config(host, artifact)
+    source = open_artifact(host, path)
+    family, config = family_and_config(host, source)
     dtype = compute_dtype(runtime.dtype, device)
-    # The linear kernel the load would choose for these weights (formats from the headers).
-    activations = activation_dtype_name(runtime.activation_dtype)
-    workload = workload_for(artifact, dtype, codec_name, activations)
-    packed = _packed_bytes(host, device, runtime.gemm_backend, dtype, runtime.kernel, workload)
-    strategy, draft = _draft_memory(
-        host, device, spec, artifact, config, dtype, codec, packed, family
-    )
     context = engine.context_for(config.max_position_embeddings)
     if context < engine.max_context:
         # Sized and served for what the model can hold, never for what was asked.
@@ -192,41 +190,74 @@ def make_plan(
             f"serving {context}\n"
         )
     caches = caches_for(family, config)
-    workspace = estimate_workspace(
-        config,
-        dtype=dtype,
-        kv_codec=codec,
-        prefill_chunk=engine.prefill_chunk,
-        context=context,
-        concurrency=engine.max_concurrency,
-        block_size=engine.block_size,
-        caches=caches,
-        device_kind=device.kind,
-    )
-    # `ninfer plan --recipe`; serve plans what it loads (its namespace has no recipe)
-    name = vars(ns).get("recipe")
-    planned = recipe(name) if name else None
-    plan = plan_memory(
-        config,
-        weights_bytes=weights_bytes(
-            config, dtype, artifact=artifact, packed_bytes=packed, family=family, recipe=planned
-        ),
-        weights_dtype={v: k for k, v in DTYPES.items()}[dtype]
-        + (f", {planned.name} recipe" if planned else ""),
-        codec=codec,
-        memory=device_memory(device, memory_budget=memory_cfg.memory_budget),
-        workspace=workspace,
-        max_context=context,
-        max_concurrency=engine.max_concurrency,
-        kv_capacity=capacity,
-        block_size=engine.block_size,
-        headroom_fraction=memory_cfg.memory_headroom,
-        caches=caches,
-        draft=draft,
-        draft_strategy=strategy,
-        state_snapshots=engine.snapshot_count,
-    )
-    about = {"model": str(path), "architecture": config.architecture}
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+
+    def plan_for(artifact: Artifact, label: str) -> MemoryPlan:
+        # The kernels the load would choose for these weights (formats from the headers).
+        activations = activation_dtype_name(runtime.activation_dtype)
+        workload = workload_for(artifact, dtype, codec_name, activations)
+        choices = plan_kernels(
+            host, device, runtime.gemm_backend, runtime.kernel, workload=workload
+        )
+        packed = _packed_bytes(host, device, choices, dtype, workload)
+        workspace = estimate_workspace(
+            config,
+            dtype=dtype,
+            kv_codec=codec,
+            prefill_chunk=engine.prefill_chunk,
+            context=context,
+            concurrency=engine.max_concurrency,
+            block_size=engine.block_size,
+            caches=caches,
+            device_kind=device.kind,
+            attention_scratch=_attention_scratch(host, choices),
+        )
+        strategy, draft = _draft_memory(
+            host, device, spec, artifact, config, dtype, codec, packed, family
+        )
+        return plan_memory(
+            config,
+            weights_bytes=weights_bytes(
+                config, dtype, artifact=artifact, packed_bytes=packed, family=family
+            ),
+            weights_dtype=dtype_name + label,
+            codec=codec,
+            memory=device_memory(device, memory_budget=memory_cfg.memory_budget),
+            workspace=workspace,
+            max_context=context,
+            max_concurrency=engine.max_concurrency,
+            kv_capacity=capacity,
+            block_size=engine.block_size,
+            headroom_fraction=memory_cfg.memory_headroom,
+            caches=caches,
+            draft=draft,
+            draft_strategy=strategy,
+            state_snapshots=engine.snapshot_count,
+        )
+
+    chosen = runtime.recipe
+    if chosen not in KEEP:
+        plan = plan_for(with_recipe(source, chosen), f", {chosen} recipe")
+    else:
+        try:
+            plan = plan_for(source, "")
+            chosen = "none"
+        except (CapacityDoesNotFitError, AutoCapacityTooSmallError) as exc:
+            # `--recipe auto`: the checkpoint's precision does not fit; quantized by the
+            # default recipe while loading, it may.
+            fallback = recipe(AUTO_RECIPE)
+            if chosen == "none" or not quantizes(source, fallback):
+                raise
+            label = f", {AUTO_RECIPE} recipe (--recipe auto: {dtype_name} did not fit)"
+            try:
+                plan = plan_for(QuantizingArtifact(source, fallback), label)
+            except MemoryPlanError as quantized:
+                raise MemoryPlanError(
+                    f"{quantized}: the weights quantized by --recipe {AUTO_RECIPE} while "
+                    f"loading, since at the checkpoint's {dtype_name} they fit even less"
+                ) from exc
+            chosen = AUTO_RECIPE
+    about = {"model": str(path), "architecture": config.architecture, "recipe": chosen}
     return plan, about
 
 

