@@ -37,7 +37,9 @@ from ninfer_core.spec.draft_head import (
     TOKEN_IDS_FORMAT,
     WEIGHT,
     covered,
+    head_tensor,
     rank_tokens,
+    special_ids,
 )
 
 if TYPE_CHECKING:
@@ -163,11 +165,6 @@ def reading_order(
     return [(f, 0, context) for f in shuffled] + [(f, context, None) for f in shuffled]
 
 
-def head_tensor(config: Any) -> str:
-    """The checkpoint name of the head: the embedding matrix when tied."""
-    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-
-
 # ------------------------------------------------------------------------- the work
 
 
@@ -283,20 +280,6 @@ def _check_request(
         raise NInferError(f"{target}: the output would overwrite the input; choose another --out")
 
 
-def special_ids(loaded: LoadedModel) -> list[int]:
-    """The ids every reduced head keeps: the tokenizer's special tokens and the model's
-    stop tokens (a draft must be able to end a turn), those the head has rows for."""
-    from ninfer_core.text import GenerationDefaults, Tokenizer, stop_token_ids
-
-    artifact = loaded.artifact
-    tokenizer = Tokenizer.from_artifact(artifact)
-    generation = GenerationDefaults.from_artifact(artifact)
-    stops = stop_token_ids(generation, artifact.config, tokenizer.eos_token_id)
-    # an id past the head has no row: no draft can be it, so there is nothing to keep
-    vocab = loaded.config.vocab_size
-    return sorted(i for i in {*tokenizer.all_special_ids, *stops} if 0 <= i < vocab)
-
-
 def build_draft_head(
     model: str | Path,
     corpus: str | Path,
@@ -335,7 +318,7 @@ def build_draft_head(
 
     loaded = load_model(source, host=host, device=device, runtime=runtime or RuntimeConfig())
     loaded_at = time.perf_counter()
-    special = special_ids(loaded)
+    special = special_ids(loaded.artifact, loaded.config.vocab_size)
     if rows < len(special):
         raise NInferError(f"--rows {rows} cannot hold the {len(special)} special and stop tokens")
     ranking, heldout, skipped = count_argmax(

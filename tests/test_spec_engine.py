@@ -316,9 +316,24 @@ def test_mtp_with_the_reduced_draft_head_is_lossless(builtin, with_draft_head, p
     assert engine.spec_counters.accepted > 0
 
 
-def test_lm_head_draft_without_a_draft_head_fails_at_startup(builtin):
-    with pytest.raises(UnsupportedChoiceError, match="draft-head build"):
-        make_engine(builtin, spec=SpecConfig(spec="mtp", lm_head_draft=True))
+def test_lm_head_draft_without_a_draft_head_builds_one_while_loading(builtin, prompts):
+    """The built-in model ships no reduced head: `--lm-head-draft` makes one of its
+    lowest `--draft-vocab` ids, the stop tokens among them, and greedy output is the
+    target's whatever the drafts."""
+    from ninfer_core.spec.draft_head import ReducedHead, id_order_rows, special_ids
+
+    loaded = builtin[0]
+    spec = SpecConfig(spec="mtp", draft_tokens=3, lm_head_draft=True, draft_vocab=256)
+    engine = make_engine(builtin, spec=spec)
+    head = engine.drafter.head
+    assert isinstance(head, ReducedHead) and head.rows == 256
+    special = special_ids(loaded.artifact, loaded.config.vocab_size)
+    assert set(special) <= set(head.token_ids.tolist())
+    assert head.token_ids.tolist() == id_order_rows(loaded.config.vocab_size, special, 256)
+    starts = [prompts["code"], prompts["json"]]
+    results = engine.generate([request(ids, 32) for ids in starts])
+    assert [r.token_ids for r in results] == [reference(builtin, ids, 32) for ids in starts]
+    assert engine.spec_counters.accepted > 0
 
 
 def test_mtp_on_a_model_without_an_mtp_layer_names_ngram(engine_model):

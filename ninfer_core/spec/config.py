@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ninfer_core.config import opt
-from ninfer_core.spec.types import DraftOptions
+from ninfer_core.spec.types import DEFAULT_DRAFT_ROWS, DraftOptions
 
 #: `--draft-tokens` accepts 1..MAX_DRAFT_TOKENS.
 MAX_DRAFT_TOKENS = 8
@@ -27,7 +27,13 @@ class SpecConfig:
         None, f"draft tokens per speculative round, 1..{MAX_DRAFT_TOKENS} (default 3)"
     )
     lm_head_draft: bool = opt(
-        False, "with --spec mtp: draft with the artifact's reduced head (`ninfer draft-head`)"
+        False,
+        "with --spec mtp: draft with a reduced head, the artifact's (`ninfer draft-head`) or, "
+        "when it ships none, one built while loading from the head's lowest --draft-vocab ids",
+    )
+    draft_vocab: int = opt(
+        DEFAULT_DRAFT_ROWS,
+        "rows of the reduced head --lm-head-draft builds while loading (at most the vocabulary)",
     )
 
     def __post_init__(self) -> None:
@@ -42,6 +48,8 @@ class SpecConfig:
             ]
             if given:
                 raise ValueError(f"{', '.join(given)} needs --spec (mtp or ngram)")
+        if isinstance(self.draft_vocab, bool) or self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be a positive row count, got {self.draft_vocab}")
         k = self.draft_tokens
         if k is not None and (isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS):
             raise ValueError(f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}")
@@ -53,5 +61,7 @@ class SpecConfig:
     @property
     def options(self) -> DraftOptions:
         return DraftOptions(
-            num_tokens=self.draft_tokens or DEFAULT_DRAFT_TOKENS, lm_head_draft=self.lm_head_draft
+            num_tokens=self.draft_tokens or DEFAULT_DRAFT_TOKENS,
+            lm_head_draft=self.lm_head_draft,
+            draft_vocab=self.draft_vocab,
         )

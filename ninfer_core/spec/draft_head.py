@@ -7,6 +7,13 @@ target's argmax was that token; special tokens always kept; rows in rank order),
 map back to real token ids. Verification always uses the full head, so the output is the
 same either way; a reduced head only changes how often drafts are accepted.
 
+A model that ships no reduced head gets one built while loading (`ReducedHead.built`):
+without a count of what the target produces, the rows are the head's lowest ids
+(`id_order_rows`). A byte-level BPE numbers its tokens in the order it learned its merges,
+most frequent pair first, so low ids are frequent tokens (docs/speculative-decoding.md has
+how close that comes to a corpus count). The rows are held at 4 bits (`BUILT_FORMAT`,
+upstream's width), re-encoded from the head's values.
+
 In a `.ninfer` artifact the reduced head is the component `draft_head` (written by
 `ninfer draft-head build`): `draft_head.weight` [N, hidden] in the head's format and
 `draft_head.token_ids` [N], the real id of each row. A container stores no integer
@@ -38,6 +45,11 @@ DESCRIPTION = "reduced head for drafting (--lm-head-draft): the most frequent to
 #: The storage format of `TOKEN_IDS`, and the first id it cannot hold exactly.
 TOKEN_IDS_FORMAT = "fp32"
 MAX_TOKEN_ID = 2**24
+#: The format of a reduced head built while loading.
+BUILT_FORMAT = "Q4G64"
+#: Rows re-encoded at a time while building (bounds the dequantized copy: 64 MiB at 2048
+#: columns, fp32).
+BUILD_CHUNK = 8192
 #: Dtypes a non-`.ninfer` artifact may hand the ids in (each holds them exactly).
 _ID_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
@@ -79,21 +91,46 @@ def draft_head_tensors(artifact: Artifact) -> AbstractContextManager[Artifact]:
     return with_components(artifact, {COMPONENT})
 
 
+def head_tensor(config: Any) -> str:
+    """The checkpoint name of the head: the embedding matrix when tied."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
+def built_rows(config: Any, rows: int) -> int:
+    """Rows of the head `ReducedHead.built` makes for `--draft-vocab rows`."""
+    return min(rows, config.vocab_size)
+
+
 def draft_head_bytes(
-    artifact: Artifact, dtype: torch.dtype, packed_bytes: PackedBytes | None = None
+    artifact: Artifact,
+    dtype: torch.dtype,
+    packed_bytes: PackedBytes | None = None,
+    *,
+    config: Any = None,
+    rows: int | None = None,
 ) -> tuple[int, int]:
     """(weight bytes, id map bytes) a `ReducedHead` of `artifact` holds, from its headers
     alone, for the memory plan: the weight as the planner sizes the full head (cast to
     `dtype` when dense, as stored when quantized, as `packed_bytes` says once packed), the
-    ids as int64. Raises `ModelLoadError` when the artifact has no reduced head."""
+    ids as int64. An artifact without a reduced head: the one `ReducedHead.built` makes
+    for `config` with `rows` rows, in `BUILT_FORMAT`; with no `config`, `ModelLoadError`."""
     from ninfer_core.memory.planner import slots_bytes
     from ninfer_core.model.weights import WeightSlot
+    from ninfer_core.quant.formats import weight_format
 
     with draft_head_tensors(artifact) as full:
         if not {WEIGHT, TOKEN_IDS} <= set(full.tensor_names()):
-            raise ModelLoadError(
-                f"{artifact.path}: no reduced draft head; write one with `ninfer draft-head build`"
+            if config is None or rows is None:
+                raise ModelLoadError(
+                    f"{artifact.path}: no reduced draft head; write one with "
+                    "`ninfer draft-head build`"
+                )
+            shape = (built_rows(config, rows), config.hidden_size)
+            packed = packed_bytes(BUILT_FORMAT, shape) if packed_bytes else None
+            weight = (
+                packed if packed is not None else weight_format(BUILT_FORMAT).stored_nbytes(shape)
             )
+            return weight, shape[0] * torch.int64.itemsize
         shape = tuple(full.tensor_shape(WEIGHT))
         slot = WeightSlot(WEIGHT, "draft_head", 0, shape)
         weight = slots_bytes(
@@ -176,6 +213,31 @@ class ReducedHead:
             packed = ops.pack_linear(weight.to(device=ops.device, dtype=model.dtype))
         return cls(packed, ids.to(ops.device), ops)
 
+    @classmethod
+    def built(cls, artifact: Artifact, model: CausalLM, rows: int) -> ReducedHead:
+        """A reduced head made from the model's own head while loading: the rows of
+        `id_order_rows` (special and stop tokens always among them), in `BUILT_FORMAT`."""
+        from ninfer_core.quant.tensor import quantize
+
+        ops = model.ops  # type: ignore[attr-defined]
+        config = model.config
+        ids = id_order_rows(config.vocab_size, special_ids(artifact, config.vocab_size),
+                            built_rows(config, rows))  # fmt: skip
+        index = torch.tensor(ids, dtype=torch.int64)
+        load = artifact.load_weight or artifact.load_tensor
+        head = load(head_tensor(config))
+        parts = []
+        for start in range(0, len(ids), BUILD_CHUNK):
+            chunk = index[start : start + BUILD_CHUNK]
+            if isinstance(head, QuantizedTensor):
+                values = head.index_rows(chunk).dequantize(torch.float32)
+            else:
+                values = head.index_select(0, chunk).float()
+            parts.append(quantize(values, BUILT_FORMAT))
+        weight = QuantizedTensor.cat_rows(parts)
+        packed = ops.pack_linear(weight.to(ops.device), dtype=model.dtype)
+        return cls(packed, index.to(ops.device), ops)
+
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, hidden] -> scores [R, N] -> [R] int64 real ids
         scores = self.ops.linear(hidden, self.weight)
@@ -218,3 +280,21 @@ def rank_tokens(
 def covered(counts: torch.Tensor, token_ids: Sequence[int]) -> int:
     """How many of the counted argmax tokens are among `token_ids`."""
     return int(counts[torch.as_tensor(list(token_ids), dtype=torch.int64)].sum())
+
+
+def id_order_rows(vocab: int, special: Iterable[int], rows: int) -> list[int]:
+    """The `rows` lowest ids, with every special id in place of the highest of them: the
+    choice without a count of what the target produces (module doc)."""
+    return rank_tokens(torch.arange(vocab, 0, -1), special, rows)
+
+
+def special_ids(artifact: Artifact, vocab: int) -> list[int]:
+    """The ids every reduced head keeps: the tokenizer's special tokens and the model's
+    stop tokens (a draft must be able to end a turn), those the head has rows for."""
+    from ninfer_core.text import GenerationDefaults, Tokenizer, stop_token_ids
+
+    tokenizer = Tokenizer.from_artifact(artifact)
+    generation = GenerationDefaults.from_artifact(artifact)
+    stops = stop_token_ids(generation, artifact.config, tokenizer.eos_token_id)
+    # an id past the head has no row: no draft can be it, so there is nothing to keep
+    return sorted(i for i in {*tokenizer.all_special_ids, *stops} if 0 <= i < vocab)

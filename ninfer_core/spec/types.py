@@ -73,6 +73,10 @@ class Proposal:
 NO_PROPOSAL = Proposal()
 
 
+#: Rows of a reduced head built while loading, as upstream NInfer's (of Qwen3.5's 248,320).
+DEFAULT_DRAFT_ROWS = 131_072
+
+
 @dataclass(frozen=True)
 class DraftOptions:
     """What the user asked of speculation (`SpecConfig`, checked)."""
@@ -81,6 +85,8 @@ class DraftOptions:
     num_tokens: int = 3
     #: `--lm-head-draft`: while drafting only, a reduced head of the most frequent tokens.
     lm_head_draft: bool = False
+    #: `--draft-vocab`: rows of a reduced head built while loading (the artifact ships none).
+    draft_vocab: int = DEFAULT_DRAFT_ROWS
 
 
 @dataclass(frozen=True)

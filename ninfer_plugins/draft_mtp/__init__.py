@@ -91,7 +91,9 @@ class MTPStrategy:
         if options.lm_head_draft:
             from ninfer_core.spec.draft_head import draft_head_bytes
 
-            head, ids = draft_head_bytes(artifact, dtype, packed_bytes)
+            head, ids = draft_head_bytes(
+                artifact, dtype, packed_bytes, config=config, rows=options.draft_vocab
+            )
             weights, tables = weights + head, tables + ids
         per_token = codec.bytes_per_token(1, config.num_kv_heads, config.head_dim)
         return DraftMemory(weights_bytes=weights, table_bytes=tables, kv_bytes_per_token=per_token)
@@ -127,8 +129,9 @@ def mtp_kind(declared: MTPLayerKind | None) -> MTPLayerKind:
 def _artifact_problem(
     kind: MTPLayerKind, artifact: Artifact, config: ModelConfig, options: DraftOptions
 ) -> str:
-    """Why `artifact` cannot feed the drafter (no MTP layer, a misshapen one, no reduced
-    head for `--lm-head-draft`), or "": asked at planning and again at startup."""
+    """Why `artifact` cannot feed the drafter (no MTP layer, a misshapen one), or "":
+    asked at planning and again at startup. `--lm-head-draft` needs nothing of it: a
+    model without a reduced head gets one built from its head while loading."""
     try:
         with mtp_tensors(artifact) as tensors:
             kind.weight_slots(config, tensors)
@@ -136,23 +139,18 @@ def _artifact_problem(
         return f"{exc}; `--spec ngram` needs no weights"
     except ModelLoadError as exc:
         return f"its MTP layer does not fit the model: {exc}"
-    if options.lm_head_draft:
-        from ninfer_core.spec.draft_head import has_draft_head
-
-        if not has_draft_head(artifact):
-            return (
-                f"--lm-head-draft: {artifact.path} has no reduced draft head; "
-                "write one with `ninfer draft-head build`"
-            )
     return ""
 
 
 def _head(target: DraftTarget, options: DraftOptions) -> DraftHead:
-    """The head drafts are picked with: the reduced one with `--lm-head-draft`."""
+    """The head drafts are picked with: the reduced one with `--lm-head-draft`, the
+    artifact's or, when it ships none, one built now from the model's head."""
     if options.lm_head_draft:
-        from ninfer_core.spec.draft_head import ReducedHead
+        from ninfer_core.spec.draft_head import ReducedHead, has_draft_head
 
-        return ReducedHead.from_artifact(target.artifact, target.model)
+        if has_draft_head(target.artifact):
+            return ReducedHead.from_artifact(target.artifact, target.model)
+        return ReducedHead.built(target.artifact, target.model, options.draft_vocab)
     return FullHead(target.model)
 
 
