@@ -274,3 +274,28 @@ def test_a_tiny_model_through_the_kernels_matches_transformers(tmp_path, writer)
         want_b = ref(torch.tensor([b.token_ids])).logits[0, 10:].float()
     assert (got[0] - want_a).abs().max().item() <= 1e-4
     assert (got[1:] - want_b).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(("codec", "dtype"), [("rk8v4", torch.float16), ("fp16", torch.float16)])
+def test_the_declared_scratch_bounds_what_the_kernel_allocates(codecs, codec, dtype):
+    """`attention_scratch` (what the memory plan counts instead of a gathered context)
+    against the storages the op really creates for a step, counted op by op; the step's
+    own K/V written into the store are not scratch and are excluded as the store's."""
+    from test_memory_plan import LiveBytes
+
+    from ninfer_plugins.backend_triton import table
+
+    store, meta, _, q, k_new, v_new = make_step(codec, codecs, dtype, 64, seed=3)
+    attention.prepare(meta)
+    pages = store.raw_pages(0)
+    pools = [t for pool in (pages.k, pages.v) for t in (pool.values, pool.scales) if t is not None]
+    known = [*pools, q, k_new, v_new]
+    with LiveBytes(known) as mode:
+        out = attention.paged_attention(q, k_new, v_new, store, 0, meta, 0.125)
+    few = sum(n for n in meta.query_lens if n <= 4)
+    declared = table.attention_scratch(
+        tokens=meta.num_tokens, few_rows=few, context=max(meta.context_lens), num_heads=H,
+        head_dim=64, dtype_bytes=dtype.itemsize, rotated=store.rotation is not None,
+    )  # fmt: skip
+    assert out.shape == q.shape
+    assert mode.peak <= declared <= 4 * mode.peak, (mode.peak, declared)

@@ -65,15 +65,19 @@ def attention_scratch(
 ) -> int:
     """What `attention.paged_attention` allocates for one layer (`AttentionScratch`): the
     output [T, H, D]; with a rotated store the rotated q and output (each through an fp32
-    product); and, for the few-row
+    product) and the step's new K/V rotated for encoding; and, for the few-row
     sequences, the split-KV partials and their (max, sum) in fp32, at most one part per
     `MIN_SPLIT` keys. Prefill tiles keep their running softmax in registers and read the
     pages in place, so nothing of the context is copied."""
-    out = tokens * num_heads * head_dim * dtype_bytes
-    rotation = 2 * tokens * num_heads * head_dim * (4 + dtype_bytes) if rotated else 0
+    values = tokens * num_heads * head_dim
+    out = values * dtype_bytes
+    # q and the output through fp32 products, and the new K/V rotated and encoded in fp32
+    # (at most one per query head); index tensors (slots, rows) a few words a token.
+    rotation = 2 * values * (4 + dtype_bytes) + 2 * values * 4 if rotated else 0
+    indices = 16 * tokens
     parts = max(1, context // MIN_SPLIT) if few_rows else 0
     partials = parts * few_rows * num_heads * (head_dim + 2) * 4 if parts > 1 else 0
-    return out + rotation + partials
+    return out + rotation + partials + indices
 
 
 def interpreting() -> bool:
