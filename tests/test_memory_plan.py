@@ -34,7 +34,7 @@ from ninfer_core.memory import (
 )
 from ninfer_core.memory.planner import mem_available
 from ninfer_core.memory.table import render_table
-from ninfer_core.memory.workspace import profiling_runtime, run_profiling_step
+from ninfer_core.memory.workspace import Workspace, profiling_runtime, run_profiling_step
 from ninfer_core.model.caches import ModelCaches, PagedKV, SequenceState, StateTensor, dense_caches
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.model.ops import decode_length
@@ -551,3 +551,29 @@ def test_held_bytes_counts_shared_memory_once():
     model.other = Packed(torch.zeros(10, 8))
     model.opaque = Opaque()
     assert held_bytes(model) == 50 * 8 * 4 + 10 * 8 * 4 + 1000
+
+
+def test_a_measured_workspace_refits_the_pool(host):
+    """What startup does on a GPU after its profiling step (`with_measured_workspace`):
+    the measurement replaces the estimate; the pool gives up the pages it missed."""
+    from ninfer_core.memory.planner import with_measured_workspace
+
+    auto = plan_8b(host, kv_capacity="auto")
+    est = auto.workspace
+    page = 16 * auto.kv_bytes_per_token
+
+    def measured(nbytes: int) -> Workspace:
+        return Workspace(nbytes, "measured", est.prefill_chunk, est.context, est.concurrency)
+
+    lower = with_measured_workspace(auto, measured(est.nbytes // 2))
+    assert lower.pool_pages == auto.pool_pages and lower.workspace.method == "measured"
+    higher = with_measured_workspace(auto, measured(est.nbytes + 10 * page + 1))
+    assert higher.free_after_bytes >= higher.headroom_bytes
+    assert auto.pool_pages - 11 <= higher.pool_pages < auto.pool_pages
+    explicit = plan_8b(host, kv_capacity=40000)
+    assert with_measured_workspace(explicit, measured(est.nbytes + 1)).pool_tokens == 40000
+    spare = explicit.free_after_bytes - explicit.headroom_bytes
+    with pytest.raises(CapacityDoesNotFitError, match="measured by a profiling step"):
+        with_measured_workspace(explicit, measured(est.nbytes + spare + page))
+    with pytest.raises(AutoCapacityTooSmallError, match="fewer than --max-context"):
+        with_measured_workspace(auto, measured(est.nbytes + auto.pool_bytes))

@@ -38,6 +38,7 @@ from ninfer_core.spec.config import SpecConfig
 if TYPE_CHECKING:
     from ninfer_core.device import DeviceInfo
     from ninfer_core.loading import LoadedModel
+    from ninfer_core.memory.planner import MemoryPlan
     from ninfer_core.plugin_host import PluginHost
     from ninfer_core.serve.state import ServeState
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = dataclasses.replace(engine, kv_capacity=plan.pool_tokens)
         # `--recipe auto` as the plan resolved it: the load quantizes what the plan counted.
         runtime = dataclasses.replace(runtime, recipe=about["recipe"])
-        code = 0 if ns.dry_run else run(ns.model, serve, engine, runtime, spec)
+        code = 0 if ns.dry_run else run(ns.model, serve, engine, runtime, spec, plan)
     except NInferError as exc:
         sys.stderr.write(f"ninfer-serve: error: {exc}\n")
         code = 1
@@ -124,6 +125,7 @@ def run(
     engine: EngineConfig,
     runtime: RuntimeConfig,
     spec: SpecConfig | None = None,
+    plan: MemoryPlan | None = None,
 ) -> int:
     from ninfer_core.device import probe_device
     from ninfer_core.plugin_host import create_host
@@ -147,7 +149,7 @@ def run(
 
     def load(loop: asyncio.AbstractEventLoop) -> None:
         try:
-            state = load_state(model, host, device, serve, engine, runtime, spec)
+            state = load_state(model, host, device, serve, engine, runtime, spec, plan)
         except BaseException as exc:  # reported by the main thread, which then exits 1
             failure.append(exc)
             server.should_exit = True
@@ -259,6 +261,7 @@ def load_state(
     config: EngineConfig,
     runtime: RuntimeConfig,
     spec: SpecConfig | None = None,
+    plan: MemoryPlan | None = None,
 ) -> ServeState:
     import torch
 
@@ -272,6 +275,9 @@ def load_state(
         torch.set_num_threads(runtime.threads)
     loaded = load_model(model or default_model(), host=host, device=device, runtime=runtime)
     print_model_kernels(loaded)
+    if plan is not None and device.kind == "cuda":
+        plan = profile_workspace(loaded, host, device, runtime, config, plan)
+        config = dataclasses.replace(config, kv_capacity=plan.pool_tokens)
     engine = Engine(loaded, config, host=host, device=device, kv_dtype=runtime.kv_dtype,
                     compile_decode=runtime.compile_decode, spec=spec)  # fmt: skip
     if engine.drafter is not None:
@@ -297,6 +303,44 @@ def load_state(
     print(memory_plan(state, loaded, host))
     print(thread_summary(), flush=True)
     return state
+
+
+def profile_workspace(
+    loaded: LoadedModel,
+    host: PluginHost,
+    device: DeviceInfo,
+    runtime: RuntimeConfig,
+    config: EngineConfig,
+    plan: MemoryPlan,
+) -> MemoryPlan:
+    """On a GPU, before the pool exists: the worst step (the largest prefill chunk beside
+    decodes, every sequence at the longest context) run once on dummy ids, its peak read
+    from the allocator, and the plan refitted to it (`with_measured_workspace`); the plan
+    printed before loading said "estimated", this line says what was measured."""
+    import torch
+
+    from ninfer_core.memory.planner import with_measured_workspace
+    from ninfer_core.memory.workspace import measure_workspace, profiling_runtime
+    from ninfer_core.model.caches import caches_for
+
+    probe = profiling_runtime(
+        loaded, host, device, kv_dtype=runtime.kv_dtype, block_size=config.block_size,
+        prefill_chunk=config.prefill_chunk, concurrency=config.max_concurrency,
+    )  # fmt: skip
+    measured = measure_workspace(
+        probe.runner, config.prefill_chunk, context=plan.max_context,
+        concurrency=config.max_concurrency, caches=caches_for(loaded.family, loaded.config),
+    )  # fmt: skip
+    del probe
+    torch.cuda.empty_cache()
+    refitted = with_measured_workspace(plan, measured)
+    gib = 1 << 30
+    print(
+        f"activation workspace: {measured.nbytes / gib:.2f} GiB measured by a profiling step "
+        f"(estimated {plan.workspace.nbytes / gib:.2f}); KV pool {refitted.pool_tokens} tokens",
+        flush=True,
+    )
+    return refitted
 
 
 def print_model_kernels(loaded: LoadedModel) -> None:

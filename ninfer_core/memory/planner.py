@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -652,3 +652,40 @@ def _host_auto_pages(
     else:
         why = "all that fits"
     return pages, f"auto on the CPU: {why}"
+
+
+def with_measured_workspace(plan: MemoryPlan, measured: Workspace) -> MemoryPlan:
+    """`plan` with the workspace a profiling step measured in place of its estimate.
+
+    A measurement at or below the estimate changes nothing but the record (the pool is
+    already allocated to the estimate, and the difference stays free). Above it, the pool
+    gives up the whole pages the estimate missed: `--kv-capacity auto` shrinks, down to
+    one `--max-context`; an explicit capacity keeps its size while the headroom covers the
+    difference. Anything else raises `MemoryPlanError` with both figures, before the pool
+    is allocated.
+    """
+    extra = measured.nbytes - plan.workspace.nbytes
+    out = replace(plan, workspace=measured)
+    if extra <= 0 or out.free_after_bytes >= plan.headroom_bytes:
+        return out
+    page = plan.block_size * (plan.kv_bytes_per_token + plan.draft_kv_bytes_per_token)
+    short = plan.headroom_bytes - out.free_after_bytes
+    pages = plan.pool_pages - -(-short // page) if page else plan.pool_pages
+    context_pages = -(-plan.max_context // plan.block_size)
+    said = (
+        f"the activation workspace measured by a profiling step is {_gib(measured.nbytes)} GiB, "
+        f"{_gib(extra)} GiB more than the {_gib(plan.workspace.nbytes)} GiB estimated"
+    )
+    if plan.kv_capacity != "auto":
+        raise CapacityDoesNotFitError(
+            f"{said}: --kv-capacity {plan.kv_capacity} no longer fits; the largest that does "
+            f"is {max(pages, 0) * plan.block_size} tokens",
+            max(pages, 0) * plan.block_size,
+        )
+    if pages < context_pages:
+        raise AutoCapacityTooSmallError(
+            f"{said}: --kv-capacity auto now holds {max(pages, 0) * plan.block_size} tokens, "
+            f"fewer than --max-context {plan.max_context}",
+            max(pages, 0) * plan.block_size,
+        )
+    return replace(out, pool_pages=pages)
