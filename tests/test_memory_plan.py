@@ -107,8 +107,10 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 
 def workspace_by_hand(s: int, keys: int | None = None) -> int:
-    """The estimate for Qwen3-8B, fp16, rk8v4, a 1024-token step of 2 sequences at `s`;
-    `keys`: what the decode row gathers, its context padded to `decode_length`."""
+    """The estimate for Qwen3-8B, fp16, rk8v4, a 1024-token step of 2 sequences at `s`,
+    attention gathering its context (the torch ops on a GPU; the CPU's decode rows read
+    the pages in place); `keys`: what the decode row gathers, its context padded to
+    `decode_length`."""
     t, q, c = 1024, 1023, 2  # tokens, the prefill chunk's queries, bytes per fp16
     gathered = (keys or s) * 8 * 128  # one sequence's K (or V): [Hkv, S, D]
     step = 2 * t * 4096 * c + q * s + t * 128 * c  # residual stream, bool mask, RoPE
@@ -146,7 +148,7 @@ def plan_8b(host, memory=RTX3090, in_place=False, **kw):
     scratch = host.kernel_backends.get("triton").attention_scratch if in_place else None
     ws = estimate_workspace(
         CFG, dtype=torch.float16, kv_codec=codec, prefill_chunk=1024, context=ctx,
-        concurrency=2, attention_scratch=scratch,
+        concurrency=2, attention_scratch=scratch, device_kind="cuda",
     )  # fmt: skip
     return plan_memory(
         CFG,
@@ -169,11 +171,12 @@ def test_qwen3_8b_figures_match_a_hand_computation(host):
     assert [(x.layer, x.bytes_per_token) for x in layers] == [
         (i, 8 * (132 + 68)) for i in range(36)
     ]
-    ws = estimate_workspace(
-        CFG, dtype=torch.float16, kv_codec=host.kv_codecs.get("rk8v4"),
-        prefill_chunk=1024, context=32768, concurrency=2,
-    )  # fmt: skip
+    shape = dict(dtype=torch.float16, kv_codec=host.kv_codecs.get("rk8v4"),
+                 prefill_chunk=1024, context=32768, concurrency=2)  # fmt: skip
+    ws = estimate_workspace(CFG, **shape, device_kind="cuda")
     assert ws.nbytes == workspace_by_hand(32768) == 857_899_008
+    # On the CPU the decode row reads the rk8v4 pages in place: only the prefill gathers.
+    assert estimate_workspace(CFG, **shape).nbytes < ws.nbytes
     plan = plan_8b(host, kv_capacity=40000)
     assert plan.kv_bytes_per_token == 57_600
     assert plan.pool_pages == 2500 and plan.pool_tokens == 40000  # 40000 / 16 exactly
@@ -511,7 +514,7 @@ def test_workspace_counts_the_decode_rows_padded_context(host):
     codec = host.kv_codecs.get("rk8v4")
     ws = estimate_workspace(
         CFG, dtype=torch.float16, kv_codec=codec, prefill_chunk=1024, context=184320,
-        concurrency=2,
+        concurrency=2, device_kind="cuda",
     )  # fmt: skip
     assert ws.nbytes == workspace_by_hand(184320, keys=196608) > workspace_by_hand(184320)
 

@@ -181,6 +181,11 @@ def _register_fake() -> None:
     def _(q, k_pages, v_pages, table, context, k_new, v_new, width, scale):
         return q.new_empty(q.shape)  # in q's dtype
 
+    @torch.library.register_fake("ninfer_cpu::decode_attention_coded")
+    def _(q, k_codes, k_scales, v_codes, v_scales, table, context, k_new, k_new_scales,
+          v_new, v_new_scales, width, scale):  # fmt: skip
+        return q.new_empty(q.shape)  # in q's dtype
+
 
 def _group_supported(group: int) -> bool:
     """Whether the operators take this group width: 1-16 whole blocks of 32 columns that

@@ -19,6 +19,11 @@ value of head dim `d` is decoded as
 
 With `rotation` set (rk8v4), both pools hold `x·H`: a kernel rotates the query by H
 (`qH·kH = q·k`) and its output by Hᵀ, instead of un-rotating every cached token.
+
+A coded pool may name its store's `encoder` (`kv/quant.py`'s quantizer of its codes): a
+kernel that attends to rows not yet stored (a compiled step's own keys, returned and
+written after the graph) then codes them as the store will, so they read as a lone
+decode later finds them in the pool.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from ninfer_core.kv.hadamard import HeadRotation
+    from ninfer_core.kv.quant import GroupQuantizer
 
 Encoding = Literal["float", "int", "fp8_e4m3"]
 
@@ -47,6 +53,10 @@ class PagePool:
     bits: int
     #: Head-dim values sharing one scale (the head dim itself for unscaled float pools).
     group: int
+    #: The store's encoder of this pool's codes (`encode(x) -> codes, scales`, in the
+    #: stored space: after `rotation`), or None (float pools; a coded pool that does not
+    #: say, whose pages a kernel then reads only with nothing new beside them).
+    encoder: GroupQuantizer | None = None
 
     def __post_init__(self) -> None:
         if (self.scales is None) != (self.encoding == "float"):

@@ -115,6 +115,7 @@ class QuantizedKVStore:
                     "fp8_e4m3" if fp8 else "int",
                     8 // quant.values_per_byte,
                     group_size(d),
+                    quant,
                 )
             )
         return KVPages(pools[0], pools[1], d, self.rotation)
