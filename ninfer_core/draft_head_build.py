@@ -1,5 +1,5 @@
 """`ninfer draft-head build`: rank the tokens a target produces over a corpus and write a
-copy of its `.ninfer` file that carries a reduced draft head (`spec/draft_head.py`).
+copy of the model that carries a reduced draft head (`spec/draft_head.py`).
 
 The target runs over the corpus's text files in windows of `context` tokens (one prefill
 each, as `ninfer eval-ppl` does) and its argmax at every position is counted: those are
@@ -13,14 +13,20 @@ The output holds every object of the input byte for byte (formats, components, c
 tokenizer files, identity and recipe unchanged) plus the `draft_head` component, under a
 new artifact id: it is another file. The head's rows are copied in their stored format;
 quantized formats are row-blocked (a row's codes and scales are its own bytes), so the
-kept rows are the head's own codes, never re-quantized.
+kept rows are the head's own codes, never re-quantized. A GGUF file is first converted
+as `ninfer convert` converts it (its quantized tensors keep their codes), and the `.ninfer`
+file is what the target runs as and what is written: llama.cpp refuses a GGUF with
+tensors it does not expect, and a sidecar file found by its name is a pairing that breaks
+when one file moves. A Hugging Face folder gets a new folder (`draft_head_folder.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,35 +103,41 @@ class DraftHeadReport:
 
 
 def default_out(model: Path) -> Path:
-    """`model.ninfer` -> `model.draft-head.ninfer`, beside it."""
+    """Beside the input: `model.ninfer` or `model.gguf` -> `model.draft-head.ninfer`; a
+    model folder `hf/` -> the folder `hf.draft-head/`."""
+    if model.is_dir():
+        return model.with_name(model.name + ".draft-head")
     return model.with_suffix(".draft-head.ninfer")
 
 
-def check_source(path: Path) -> None:
-    """`path` is a version 3 `.ninfer` file; anything else is one line saying what to do."""
+def source_kind(path: Path) -> str:
+    """What `path` is: `"ninfer"` (a version 3 `.ninfer` file), `"folder"` (a Hugging Face
+    model folder) or `"gguf"`; anything else is one line saying what is wrong."""
     from ninfer_core.artifact.layout import MAGIC
     from ninfer_core.artifact.reader import read_header
 
-    convert = "run `ninfer convert` on it first, then build the draft head from the .ninfer file"
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or folder")
     if path.is_dir():
-        raise ModelLoadError(f"{path}: a model folder, not a .ninfer file; {convert}")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: a folder without config.json, not a model folder")
+        return "folder"
     try:
         with path.open("rb") as fh:
             magic = fh.read(len(MAGIC))
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if magic[:4] == b"GGUF":
-        raise ModelLoadError(f"{path}: a GGUF file, not a .ninfer file; {convert}")
+        return "gguf"
     if magic != MAGIC:
-        raise ModelLoadError(f"{path}: not a .ninfer file; {convert}")
+        raise ModelLoadError(f"{path}: not a .ninfer file, a GGUF file or a model folder")
     header, _ = read_header(path)
     if header.version < 3:
         raise ModelLoadError(
             f"{path}: .ninfer container version {header.version} has no components; "
             "run `ninfer convert` again (it writes version 3)"
         )
+    return "ninfer"
 
 
 def is_heldout(relative: str, fraction: float) -> bool:
@@ -267,17 +279,44 @@ def _check_request(
     heldout_fraction: float,
     context: int,
     max_tokens: int | None,
-) -> None:
-    """Everything that can be refused before the model is read."""
+) -> str:
+    """Everything that can be refused before the model is read; the source's kind."""
     if rows < 1:
         raise NInferError(f"--rows must be at least 1, got {rows}")
     if not 0 <= heldout_fraction < 1:
         raise NInferError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
     if context < 1 or (max_tokens is not None and max_tokens < 1):
         raise NInferError("--context and --max-tokens must be at least 1")
-    check_source(source)
+    kind = source_kind(source)
     if target.resolve() == source.resolve():
         raise NInferError(f"{target}: the output would overwrite the input; choose another --out")
+    if kind == "folder":
+        if source.resolve() in target.resolve().parents:
+            raise NInferError(f"{target}: the output folder would be inside the input folder")
+        if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+            raise NInferError(f"{target}: exists; the output is a new folder, choose another --out")
+    elif target.suffix.lower() == ".gguf":
+        raise NInferError(f"{target}: the output is a .ninfer file; name it so")
+    return kind
+
+
+@contextmanager
+def _as_ninfer(source: Path, kind: str, target: Path) -> Iterator[Path]:
+    """`source` as a `.ninfer` file for the `with` block: a GGUF file is converted first
+    (`ninfer convert`'s default recipe: its quantized tensors keep their ggml codes) into
+    a file beside `target`, removed at the end."""
+    if kind != "gguf":
+        yield source
+        return
+    from ninfer_core.convert import convert
+
+    tmp = target.with_name(f".{target.stem}.converted{os.getpid()}.ninfer")
+    try:
+        convert(source, tmp)
+        yield tmp
+    finally:
+        for part in [tmp, *tmp.parent.glob(tmp.name + ".part-*")]:
+            part.unlink(missing_ok=True)
 
 
 def build_draft_head(
@@ -292,8 +331,9 @@ def build_draft_head(
     runtime: RuntimeConfig | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> DraftHeadReport:
-    """Run `model` (a v3 `.ninfer` file) over `corpus`, keep the `rows` most produced
-    tokens (special and stop tokens always) and write `out` (default `default_out`)."""
+    """Run `model` over `corpus`, keep the `rows` most produced tokens (special and stop
+    tokens always) and write `out` (default `default_out`): for a v3 `.ninfer` file or a
+    GGUF file (converted first), a `.ninfer` file; for a model folder, a folder."""
     from ninfer_core.device import probe_device
     from ninfer_core.loading import family_and_config, load_model, opened_artifact
     from ninfer_core.plugin_host import create_host
@@ -301,7 +341,7 @@ def build_draft_head(
     started = time.perf_counter()
     source = Path(model)
     target = Path(out) if out is not None else default_out(source)
-    _check_request(source, target, rows, heldout_fraction, context, max_tokens)
+    kind = _check_request(source, target, rows, heldout_fraction, context, max_tokens)
     files = [(p, rel, is_heldout(rel, heldout_fraction)) for p, rel in corpus_files(Path(corpus))]
     if all(held for _, _, held in files):
         raise NInferError(
@@ -316,31 +356,44 @@ def build_draft_head(
     if vocab > MAX_TOKEN_ID:
         raise NInferError(f"a vocabulary of {vocab} has ids fp32 cannot hold exactly")
 
-    loaded = load_model(source, host=host, device=device, runtime=runtime or RuntimeConfig())
-    loaded_at = time.perf_counter()
-    special = special_ids(loaded.artifact, loaded.config.vocab_size)
-    if rows < len(special):
-        raise NInferError(f"--rows {rows} cannot hold the {len(special)} special and stop tokens")
-    ranking, heldout, skipped = count_argmax(
-        loaded,
-        files,
-        context=context,
-        max_tokens=max_tokens,
-        host=host,
-        device=device,
-        progress=progress,
-    )
-    if not ranking.tokens:
-        raise NInferError(f"{corpus}: no token to rank (the ranking set's files are empty)")
-    counted = time.perf_counter()
-    token_ids = rank_tokens(ranking.counts, special, rows)
-    write_with_draft_head(source, target, head_tensor(loaded.config), token_ids)
-    done = time.perf_counter()
+    checked = time.perf_counter()
+    with _as_ninfer(source, kind, target) as path:
+        converted = time.perf_counter()
+        loaded = load_model(path, host=host, device=device, runtime=runtime or RuntimeConfig())
+        loaded_at = time.perf_counter()
+        special = special_ids(loaded.artifact, loaded.config.vocab_size)
+        if rows < len(special):
+            raise NInferError(
+                f"--rows {rows} cannot hold the {len(special)} special and stop tokens"
+            )
+        ranking, heldout, skipped = count_argmax(
+            loaded,
+            files,
+            context=context,
+            max_tokens=max_tokens,
+            host=host,
+            device=device,
+            progress=progress,
+        )
+        if not ranking.tokens:
+            raise NInferError(f"{corpus}: no token to rank (the ranking set's files are empty)")
+        counted = time.perf_counter()
+        token_ids = rank_tokens(ranking.counts, special, rows)
+        head = head_tensor(loaded.config)
+        if kind == "folder":
+            from ninfer_core.draft_head_folder import write_folder_with_draft_head
+
+            weights = loaded.artifact.load_tensor(head)  # as stored, for its dtype
+            write_folder_with_draft_head(source, target, weights, token_ids)
+        else:
+            write_with_draft_head(path, target, head, token_ids)
+        done = time.perf_counter()
     seconds = {
-        "load": loaded_at - started,
+        "convert": converted - checked,
+        "load": loaded_at - converted + checked - started,
         "count": counted - loaded_at,
         "write": done - counted,
-        "total": done - started,
+        "total": time.perf_counter() - started,
     }
     return DraftHeadReport(
         target, source, vocab, token_ids, special, ranking, heldout, skipped, seconds

@@ -208,17 +208,16 @@ def test_bad_options_fail_naming_what_is_known(args, problem):
 
 
 @pytest.mark.parametrize(
-    ("model", "corpus", "problem"),
+    ("extra", "problem"),
     [
-        ("random", None, "a model folder, not a .ninfer file"),
-        ("builtin", "no-such-corpus", "the corpus must be a folder of text files"),
+        (["--draft-head-rows", "2"], "--rows 2 cannot hold the 3 special and stop tokens"),
+        (["--draft-head-corpus", "no-such-corpus"], "the corpus must be a folder of text files"),
     ],
 )
-def test_a_draft_head_that_cannot_be_built_is_a_skip(tmp_path, model, corpus, problem):
-    """A safetensors folder (the random model) or a missing corpus: the +lm-head rows are
-    skipped with the build's reason, and every other row runs."""
-    path = ensure_random_model() if model == "random" else BUILTIN_ARTIFACT
-    extra = ["--draft-head-corpus", str(tmp_path / corpus)] if corpus else []
+def test_a_draft_head_that_cannot_be_built_is_a_skip(extra, problem):
+    """Too few rows for the stop tokens, or a missing corpus: the +lm-head rows are skipped
+    with the build's reason, and every other row runs."""
+    path = BUILTIN_ARTIFACT
     code, out, _ = bench(str(path), "--strategies", "mtp+lm-head,ngram", "--draft-tokens", "1",
                          "--classes", "json", "--new", "4", "--prompts", "1", "--runs", "1",
                          "--threads", "1", "--dtype", "fp32", "--json", *extra)  # fmt: skip

@@ -360,7 +360,7 @@ def test_the_command_reports_one_line_each(corpus, tmp_path, capsys):
     assert (report["rows"], report["vocab"], report["special_ids"]) == (64, 4096, SPECIAL)
     assert report["ranking"]["tokens"] + report["heldout"]["tokens"] == 300
     assert 0 < report["ranking"]["coverage"] <= 1 and report["path"] == str(out)
-    assert set(report["seconds"]) == {"load", "count", "write", "total"}
+    assert set(report["seconds"]) == {"convert", "load", "count", "write", "total"}
     assert main(_build(args)) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [
@@ -392,6 +392,17 @@ def _folder(tmp_path: Path) -> Path:
     return tmp_path / "hf"
 
 
+def _no_config(tmp_path: Path) -> Path:
+    (tmp_path / "hf").mkdir()
+    return tmp_path / "hf"
+
+
+def _text(tmp_path: Path) -> Path:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a model")
+    return path
+
+
 def _v2(tmp_path: Path) -> Path:
     from ninfer_core.artifact.writer import ContainerWriter
 
@@ -404,8 +415,10 @@ def _v2(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("model", "extra", "problem"),
     [
-        (_gguf, [], "a GGUF file, not a .ninfer file; run `ninfer convert`"),
-        (_folder, [], "a model folder, not a .ninfer file; run `ninfer convert`"),
+        (_gguf, [], "model.gguf: not a readable GGUF file"),
+        (_folder, [], "hf: no \\*.safetensors weight files found"),
+        (_no_config, [], "a folder without config.json, not a model folder"),
+        (_text, [], "not a .ninfer file, a GGUF file or a model folder"),
         (_v2, [], "version 2 has no components"),
         (None, ["--rows", "0"], "--rows must be at least 1"),
         (None, ["--rows", "5000"], "more than the vocabulary \\(4096 tokens\\)"),

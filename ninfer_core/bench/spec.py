@@ -258,7 +258,7 @@ def _build_head(cfg, path: Path, loaded, host, device, runtime, scratch: Path) -
     model or corpus refuses (not a .ninfer file, no corpus) is the reason to skip, since the
     rest of the bench does not need it."""
     from ninfer_core.config import RuntimeConfig
-    from ninfer_core.draft_head_build import build_draft_head
+    from ninfer_core.draft_head_build import build_draft_head, default_out
     from ninfer_core.loading import load_model
 
     vocab = loaded.config.vocab_size
@@ -269,7 +269,7 @@ def _build_head(cfg, path: Path, loaded, host, device, runtime, scratch: Path) -
             path,
             corpus,
             rows,
-            out=scratch / f"{path.stem}.draft-head.ninfer",
+            out=scratch / default_out(path).name,  # a folder for a folder
             max_tokens=cfg.draft_head_tokens,
             runtime=RuntimeConfig(dtype=cfg.dtype),
         )

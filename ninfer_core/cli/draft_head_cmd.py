@@ -1,5 +1,6 @@
 """`ninfer draft-head build MODEL --corpus DIR --rows N`: a copy of MODEL with a reduced
-draft head for `--lm-head-draft` (`ninfer_core/draft_head_build.py`)."""
+draft head for `--lm-head-draft` (`ninfer_core/draft_head_build.py`): a `.ninfer` file for
+a `.ninfer` or GGUF input, a model folder for a model folder."""
 
 from __future__ import annotations
 
@@ -30,10 +31,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "build",
         help="rank tokens over a corpus and write MODEL with a draft head",
         description="Runs the target over the corpus, counts its argmax token at every "
-        "position, keeps the N most frequent (special and stop tokens always) and writes a new "
-        ".ninfer file: every object of MODEL unchanged plus the `draft_head` component.",
+        "position, keeps the N most frequent (special and stop tokens always) and writes a "
+        "copy of MODEL with them: a .ninfer file (MODEL's objects unchanged plus the "
+        "`draft_head` component; a GGUF file is converted as `ninfer convert` does), or, for a "
+        "model folder, a new folder with MODEL's files and draft_head.safetensors.",
     )
-    b.add_argument("model", metavar="MODEL", help="a .ninfer file (version 3)")
+    b.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a .ninfer file (version 3), a GGUF file or a Hugging Face model folder",
+    )
     b.add_argument(
         "--corpus",
         required=True,
@@ -42,7 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--rows", type=int, required=True, metavar="N", help="tokens to keep")
     b.add_argument(
-        "--out", metavar="OUT.ninfer", help="the file to write (default: MODEL.draft-head.ninfer)"
+        "--out",
+        metavar="OUT",
+        help="what to write (default: beside MODEL, MODEL.draft-head.ninfer for a file, the "
+        "folder MODEL.draft-head for a folder; a folder must not exist or be empty)",
     )
     b.add_argument(
         "--heldout-fraction",
@@ -153,7 +163,8 @@ def render(report: DraftHeadReport) -> str:
         f"{len(r.special_ids)} special and stop tokens always kept)",
         _coverage_line("coverage", r.ranking, r.token_ids, "(ranking set)"),
         _coverage_line("held-out", r.heldout, r.token_ids, "(tokens a greedy target accepts)"),
-        f"seconds   {s['total']:.1f} (load {s['load']:.1f}, target over the corpus "
+        f"seconds   {s['total']:.1f} (convert {s['convert']:.1f}, load {s['load']:.1f}, "
+        f"target over the corpus "
         f"{s['count']:.1f}, write {s['write']:.1f})",
     ]
     if r.skipped:
