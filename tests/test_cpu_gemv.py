@@ -141,3 +141,24 @@ def test_switched_off_by_the_environment(monkeypatch):
         monkeypatch.delenv("NINFER_CPU_GEMV")
         cpu_gemv.unavailable.cache_clear()
         assert cpu_gemv.available()
+
+
+def test_the_build_folder_is_the_sources_own_and_a_stale_lock_is_removed(tmp_path, monkeypatch):
+    """Two checkouts with other sources never share a build; a lock a killed build left
+    behind is removed instead of waited on forever, a live one is kept."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpu_gemv._build_directory(cpp_extension)
+    assert folder.parent == tmp_path and folder.name.startswith(cpu_gemv._sources_tag())
+    lock = folder / "lock"
+    lock.touch()
+    assert cpu_gemv._build_directory(cpp_extension) == folder and lock.exists()  # live
+    old = time.time() - cpu_gemv.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert cpu_gemv._build_directory(cpp_extension) == folder and not lock.exists()
+    monkeypatch.setattr(cpu_gemv, "_FLAGS", [*cpu_gemv._FLAGS, "-DOTHER"])
+    assert cpu_gemv._build_directory(cpp_extension) != folder  # other flags: another build

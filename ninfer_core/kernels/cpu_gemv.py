@@ -23,6 +23,8 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -76,6 +78,7 @@ def unavailable() -> str | None:
         cpp_extension.load(
             name="ninfer_cpu", sources=_SOURCES, extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+            build_directory=str(_build_directory(cpp_extension)),
         )  # fmt: skip
     except Exception as exc:  # no compiler, no ninja, a build error: oneDNN serves
         lines = str(exc).strip().splitlines() or [""]
@@ -88,16 +91,46 @@ def unavailable() -> str | None:
     return None
 
 
+#: A build lock older than this is left by a builder that died (a build takes a few
+#: minutes on 2 cores); torch's builder would wait on it forever.
+STALE_LOCK_S = 15 * 60
+
+
+def _sources_tag() -> str:
+    """`ninfer_cpu-<digest>`: the operators' sources and flags, hashed."""
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(Path(source).read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    return f"ninfer_cpu-{digest.hexdigest()[:16]}"
+
+
+def _build_directory(cpp_extension) -> Path:
+    """Where these sources build: a folder of their own under torch's extension cache, so
+    two checkouts (or versions) of NInfer never build over each other's objects, and one
+    whose sources are unchanged reuses its build. A lock left by a killed build is
+    removed, with a warning, instead of being waited on."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    folder = Path(root) / f"{_sources_tag()}-{python}-torch{torch.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return folder
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock %s (%.0f min old)", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    return folder
+
+
 def _key_compiled_graphs() -> None:
     """Key the compiler's graph cache on these operators' sources. A compiled step calls
     them from C++ by their schema, and inductor's cache does not key on a library's code:
     a graph cached before an operator changed (an argument added, even with a default)
     would call it with the old arguments and crash the process."""
-    digest = hashlib.sha256()
-    for source in _SOURCES:
-        digest.update(Path(source).read_bytes())
-    digest.update(" ".join(_FLAGS).encode())
-    tag = f"ninfer_cpu-{digest.hexdigest()[:16]}"
+    tag = _sources_tag()
     config = torch.compiler.config
     if tag not in config.cache_key_tag.split():
         config.cache_key_tag = f"{config.cache_key_tag} {tag}".strip()
