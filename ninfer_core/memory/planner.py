@@ -38,7 +38,7 @@ from ninfer_core.model.caches import ModelCaches, PagedKV, dense_caches
 from ninfer_core.model.config import ModelConfig
 from ninfer_core.plugin_types import Artifact, ModelFamily
 from ninfer_core.quant.formats import weight_format
-from ninfer_core.quant.recipes import Recipe, source_format
+from ninfer_core.quant.recipes import source_format
 from ninfer_core.spec.types import DraftMemory
 
 if TYPE_CHECKING:
@@ -193,24 +193,19 @@ def _params(
     dtype: torch.dtype,
     artifact: Artifact | None,
     family: ModelFamily | None = None,
-    recipe: Recipe | None = None,
 ) -> list[_Param]:
     """Every parameter of the model with its fused shape (see `_slot_params`)."""
-    return _slot_params(_slots(config, artifact, family), dtype, artifact, recipe)
+    return _slot_params(_slots(config, artifact, family), dtype, artifact)
 
 
 def _slot_params(
     slots: Sequence[WeightSlot],
     dtype: torch.dtype,
     artifact: Artifact | None,
-    recipe: Recipe | None = None,
 ) -> list[_Param]:
     """The parameters `slots` fill, each with its fused shape; formats and stored sizes
-    from the artifact (a `.ninfer` names each tensor's format and object size), else
-    dense `dtype`. With `recipe`: the formats `ninfer convert --recipe` would write,
-    whatever the artifact holds (a plan for a conversion not yet made)."""
-    if recipe is not None:
-        return _recipe_params(slots, dtype, recipe)
+    from the artifact (a `.ninfer` names each tensor's format and object size; a folder
+    quantized while loading, `quant/at_load.py`, the recipe's), else dense `dtype`."""
     dense = source_format(dtype)
     # Optional members of the `Artifact` contract: declared by every artifact, None when
     # the artifact has nothing to say (every tensor dense, sizes from shapes).
@@ -244,24 +239,6 @@ def _stored_nbytes(record: tuple[str, int] | None, fmt: str, shape: tuple[int, .
     return weight_format(fmt).stored_nbytes(shape)
 
 
-def _recipe_params(slots: Sequence[WeightSlot], dtype: torch.dtype, recipe: Recipe) -> list[_Param]:
-    """The parameters as `recipe` would store them: each fused parameter in the format
-    the recipe gives its first tensor (fused tensors share a role), sizes from shapes."""
-    groups: dict[str, list] = {}
-    for slot in slots:
-        groups.setdefault(slot.param, []).append(slot)
-    out = []
-    for name, group in groups.items():
-        shape = (sum(slot.shape[0] for slot in group), *group[0].shape[1:])
-        fmt = recipe.format_for(group[0].hf_name, group[0].shape, dtype)
-        if weight_format(fmt).quantized:
-            stored = sum(weight_format(fmt).stored_nbytes(s.shape) for s in group)
-        else:
-            fmt, stored = _dense_param(group, shape, dtype)
-        out.append(_Param(name, shape, fmt, stored))
-    return out
-
-
 def _dense_param(
     group: Sequence[WeightSlot], shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[str, int]:
@@ -278,7 +255,6 @@ def weights_bytes(
     artifact: Artifact | None = None,
     packed_bytes: PackedBytes | None = None,
     family: ModelFamily | None = None,
-    recipe: Recipe | None = None,
 ) -> int:
     """Bytes the runtime holds for the weights, as loaded and then packed.
 
@@ -291,11 +267,9 @@ def weights_bytes(
     backend on the CPU: 0.5 byte a weight for Q4, 1 for Q5/Q6/W8, plus scales). A packed
     projection costs its packed bytes instead of its loaded ones; a tied head packed as
     its own copy costs them on top of the embedding. None: nothing is repacked.
-
-    `recipe`: the weights as `ninfer convert --recipe` would write them (`_recipe_params`).
     """
     total = 0
-    for param in _params(config, dtype, artifact, family, recipe):
+    for param in _params(config, dtype, artifact, family):
         tied_head = param.name == "embed_tokens" and config.tie_word_embeddings
         projection = tied_head or param.name.rpartition(".")[2] in PACKED_PARAMS
         packed = _packed(param, packed_bytes) if projection else None
