@@ -12,6 +12,8 @@ with the same text.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from checkpoints import write_tiny_qwen3
@@ -27,6 +29,9 @@ from ninfer_core.engine.sequence import Sequence
 from ninfer_core.generation import one_request_engine
 from ninfer_core.kernels.cpu_gemv import GemvLinear
 from ninfer_core.kernels.onednn_linear import OneDNNLinear
+from ninfer_core.kv.layout import KVLayout
+from ninfer_core.kv.quant import INT4, INT8
+from ninfer_core.kv.quantized import QuantizedKVStore
 from ninfer_core.loading import load_model
 from ninfer_core.plugin_host import create_host
 from ninfer_core.sampling import SamplingParams
@@ -182,14 +187,29 @@ def test_refusals_name_the_reason(folder):
     model, store = engine.runner.model, engine.runner.kv_store
     assert capture_refusal(model, store) is None
 
-    class Rotated:
+    class Rotated:  # rotated, without describing its pages
         write_layers = gather_heads = object()
-        rotation = object()
+        rotation, raw_pages = object(), None
 
-    assert capture_refusal(model, Rotated()) == "the KV store keeps K and V rotated"
+    assert capture_refusal(model, Rotated()) == (
+        "the KV store keeps K and V rotated and describes no pages (raw_pages)"
+    )
 
     class LayerByLayer:
-        write_layers, gather_heads, rotation = None, object(), None
+        write_layers, gather_heads, rotation, raw_pages = None, object(), None, None
+
+    coded = QuantizedKVStore(KVLayout(1, 2, 16, 16, 4), INT8, INT4, rotate=True)
+    assert capture_refusal(model, coded) is None  # rk8v4: its pages say how it codes
+    pages = coded.raw_pages(0)
+
+    class Undescribed:  # codes, and no encoder to code a step's own rows as it will
+        write_layers = gather_heads = object()
+        rotation = None
+
+        def raw_pages(self, layer):
+            return dataclasses.replace(pages, k=dataclasses.replace(pages.k, encoder=None))
+
+    assert "name no encoder" in capture_refusal(model, Undescribed())
 
     assert "write_layers" in capture_refusal(model, LayerByLayer())
 

@@ -9,8 +9,9 @@ commits them (`CompiledDecode`, `CompiledVerify`).
 Fast checks run the graphs uncompiled in the compiled steps' places, against a twin
 runtime stepping eagerly: a decode step of three sequences at different contexts, and
 rounds of different row counts (padded to the width, replayed rows included), compare
-logits and the states left in the pool. Slow ones compile: greedy ids through the engine
-equal the eager engine's for fp32, bf16 and fp16 KV, with and without `--spec mtp`.
+logits and the states left in the pool (float, int8 and rk8v4 KV). Slow ones compile:
+greedy ids through the engine equal the eager engine's for fp32, bf16, fp16, int8 and
+rk8v4 KV, and with `--spec mtp` for fp32, int8 and rk8v4.
 """
 
 from __future__ import annotations
@@ -108,8 +109,14 @@ def test_the_family_offers_both_graphs_and_moe_models_are_refused_with_the_reaso
     assert "sparse MoE" in capture_refusal(Moe(), store)
 
 
-def test_a_decode_step_at_different_contexts_gives_the_eager_logits_and_states(hybrid):
-    eager, graph = twins(hybrid)
+#: KV codecs the fast checks run over: float, and the coded stores whose own rows the
+#: graphs read as they will be stored (int8; rk8v4 rotated, V in 4 bits).
+CODECS = ["fp32", "int8", "rk8v4"]
+
+
+@pytest.mark.parametrize("kv", CODECS)
+def test_a_decode_step_at_different_contexts_gives_the_eager_logits_and_states(hybrid, kv):
+    eager, graph = twins(hybrid, kv)
     prompts = [prompt(5, seed=1), prompt(16, seed=2), prompt(33, seed=3)]
     a, b = start(eager, prompts), start(graph, prompts)
     for _ in range(3):  # the K/V and states each step stores feed the next
@@ -122,10 +129,11 @@ def test_a_decode_step_at_different_contexts_gives_the_eager_logits_and_states(h
     assert graph.compiled.steps == 3
 
 
-def test_rounds_of_different_row_counts_leave_the_eager_logits_and_states(hybrid):
+@pytest.mark.parametrize("kv", CODECS)
+def test_rounds_of_different_row_counts_leave_the_eager_logits_and_states(hybrid, kv):
     """Rows 4, 2 and 1 at width 4 (padded), then a step replaying 3 pending tokens: every
     row's logits, and the states after each sequence's real rows."""
-    eager, graph = twins(hybrid)
+    eager, graph = twins(hybrid, kv)
     prompts = [prompt(9, seed=4), prompt(20, seed=5), prompt(17, seed=6)]
     a, b = start(eager, prompts), start(graph, prompts)
     for counts in ([4, 2, 1], [3, 4, 2]):
@@ -168,7 +176,7 @@ PROMPTS = [prompt(21, seed=12), prompt(8, seed=13)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16", "int8", "rk8v4"])
 def test_compiled_greedy_ids_are_the_eager_ones(hybrid, kv):
     want, _ = run(hybrid, PROMPTS, False, kv)
     got, engine = run(hybrid, PROMPTS, True, kv)
@@ -179,9 +187,10 @@ def test_compiled_greedy_ids_are_the_eager_ones(hybrid, kv):
 
 
 @pytest.mark.slow
-def test_compiled_rounds_with_mtp_give_the_eager_greedy_ids(hybrid):
-    want, _ = run(hybrid, PROMPTS, False, "fp32")
-    got, engine = run(hybrid, PROMPTS, True, "fp32", SpecConfig(spec="mtp", draft_tokens=3))
+@pytest.mark.parametrize("kv", CODECS)
+def test_compiled_rounds_with_mtp_give_the_eager_greedy_ids(hybrid, kv):
+    want, _ = run(hybrid, PROMPTS, False, kv)
+    got, engine = run(hybrid, PROMPTS, True, kv, SpecConfig(spec="mtp", draft_tokens=3))
     assert got == want
     verify = engine.runner.verify
     assert verify.steps > 0 and verify.failed is None

@@ -297,6 +297,26 @@ def test_head_major_gather_is_the_token_major_one_transposed(name):
         assert rel_rms(rot.transpose(0, 1), want) > 0.5  # it really is another space
 
 
+@pytest.mark.parametrize("name", list(CODECS))
+def test_write_layers_stores_what_write_stores_layer_by_layer(name):
+    """A compiled step's K/V of every layer in one call: the pages `write` leaves, bit
+    for bit (codes and scales alike)."""
+    codec = CODECS[name]
+    one = codec.allocate(KVLayout(2, 2, 128, BS, 8), "cpu")
+    if one.write_layers is None:  # optional in the KVStore contract
+        pytest.skip(f"{name!r} stores layer by layer only")
+    every = codec.allocate(KVLayout(2, 2, 128, BS, 8), "cpu")
+    slots = slots_of(TABLE, NTOK)
+    k, v = (torch.randn(2, NTOK, 2, 128, generator=torch.Generator().manual_seed(s))
+            for s in (1, 2))  # fmt: skip
+    for layer in range(2):
+        one.write(layer, slots, k[layer], v[layer])
+    every.write_layers(slots, k, v)
+    blocks = torch.arange(8)
+    for a, b in zip(one.save_pages(blocks), every.save_pages(blocks), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("outliers", [False, True], ids=["random", "outliers"])
 @pytest.mark.parametrize("name", list(CODECS))
 def test_store_matches_float64_oracle(name, outliers):

@@ -65,14 +65,32 @@ def capture_refusal(model: torch.nn.Module, kv_store) -> str | None:
 
 
 def store_refusal(kv_store, whose: str = "the KV store") -> str | None:
-    """Why a graph can't attend over `kv_store`'s pages and store its K/V after the call
-    (it needs the optional `gather_heads` and `write_layers`, and K/V kept as computed),
-    or None."""
+    """Why a graph can't attend over `kv_store`'s pages and store its K/V after the call,
+    or None. It needs the optional `gather_heads` and `write_layers`; a store that keeps
+    K/V rotated or coded (rk8v4, int8) must also describe its pages (`raw_pages`, with
+    the encoder of each coded pool), so the graph reads its own rows as they will be
+    stored (`decode_graph.read_back`, or the CPU kernel coding them itself)."""
     if kv_store.write_layers is None or kv_store.gather_heads is None:
         return f"{whose} has no write_layers / gather_heads"
-    if kv_store.rotation is not None:
-        return f"{whose} keeps K and V rotated"
+    if kv_store.raw_pages is None:  # an optional member of the KVStore contract
+        if kv_store.rotation is not None:
+            return f"{whose} keeps K and V rotated and describes no pages (raw_pages)"
+        return None
+    pages = kv_store.raw_pages(0)
+    if any(p.encoding != "float" and p.encoder is None for p in (pages.k, pages.v)):
+        return f"{whose} keeps K and V as codes whose pages name no encoder"
     return None
+
+
+def keeps_rows_as_read(kv_store, dtype: torch.dtype) -> bool:
+    """Whether a step's own rows, as a graph reads them, are what a later step reads back
+    from `kv_store` (given `store_refusal` is None): float pages of the model's `dtype`, or
+    pages the store describes as coded or rotated (the graph codes its rows likewise)."""
+    if kv_store.raw_pages is None:
+        return False
+    pages = kv_store.raw_pages(0)
+    floats = pages.k.encoding == pages.v.encoding == "float"
+    return not floats or pages.rotation is not None or pages.k.values.dtype == dtype
 
 
 class CompiledDecode:

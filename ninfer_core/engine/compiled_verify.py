@@ -15,11 +15,12 @@ It takes a step only when every sequence decodes (its rows are its pending token
 drafts: more than one pending token on a model with per-sequence states, replaying a round
 that rejected a draft, `engine/speculation.py`) and the compiled decode step is usable:
 same refusals (`capture_refusal`), plus a family without a verify graph and a KV store
-that changes what it stores (the rows read their earlier rows' K/V as computed, the lone
-decode reads them back from the pool). A model with states gets them back as after the
-sequence's real rows, written and left for the runner to commit, as the eager forward
-leaves them; the round is then rolled back as an eager one is. A failure is logged once
-and the step is rerun eagerly, as for the decode step.
+that changes what it stores without saying how (the rows must read their earlier rows'
+K/V as the lone decode reads them back from the pool: float pages of the model's dtype,
+or coded pages the store describes, whose rows the graph codes likewise). A model with
+states gets them back as after the sequence's real rows, written and left for the runner
+to commit, as the eager forward leaves them; the round is then rolled back as an eager
+one is. A failure is logged once and the step is rerun eagerly, as for the decode step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ninfer_core.engine.compiled_step import (
     CompiledDecode,
     compile_graph,
     failure_reason,
+    keeps_rows_as_read,
     own_code,
     page_table,
     state_args,
@@ -53,11 +55,9 @@ log = logging.getLogger(__name__)
 def verify_refusal(model: torch.nn.Module, kv_store) -> str | None:
     """Why a round's forward of `model` over `kv_store` can't be captured, or None (given
     that the decode step can be: `capture_refusal`)."""
-    from ninfer_core.kv.plain import PlainKVStore
-
     if getattr(model, "verify_graph", None) is None:
         return "the model family offers no verify graph"
-    if not isinstance(kv_store, PlainKVStore) or kv_store.dtype != model.dtype:
+    if not keeps_rows_as_read(kv_store, model.dtype):
         return "the KV store does not keep K and V as computed (a lone decode reads them back)"
     return None
 

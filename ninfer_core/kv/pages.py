@@ -74,6 +74,23 @@ class KVPages:
     head_dim: int
     rotation: HeadRotation | None = None
 
+    def read_back(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., D] as these pools will keep them, decoded back to the original space
+        in fp32: what a later step reads of rows written now (rotated, coded by the pool's
+        `encoder`, or cast to the pages' dtype). A coded pool needs its encoder."""
+        out = []
+        for pool, x in ((self.k, k), (self.v, v)):
+            if self.rotation is not None:
+                x = self.rotation.forward(x)
+            if pool.encoding == "float":
+                x = x.to(pool.values.dtype).float()
+            else:
+                if pool.encoder is None:
+                    raise ValueError(f"a {pool.encoding} pool that names no encoder")
+                x = pool.encoder.decode(*pool.encoder.encode(x))
+            out.append(x if self.rotation is None else self.rotation.inverse(x))
+        return out[0], out[1]
+
     @property
     def block_size(self) -> int:
         return int(self.k.values.shape[1])

@@ -45,8 +45,6 @@ class QuantizedKVStore:
     #: as floats, then times the scales), and K's fp32 decode, which `gather` still holds
     #: while V decodes. Measured on the CPU: 15.5 bytes per value in all, with bf16 outputs.
     gather_scratch_bytes = 12
-    #: Layer by layer only (`write`): the compiled decode step needs a store that has it.
-    write_layers = None
 
     def __init__(
         self,
@@ -93,6 +91,17 @@ class QuantizedKVStore:
             codes, scales = self.quant[kv].encode(x)  # [T, Hkv, W], [T, Hkv, D/G]
             self.codes[kv][layer].flatten(0, 1).index_copy_(0, slots, codes)
             self.scales[kv][layer].flatten(0, 1).index_copy_(0, slots, scales)
+
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize and store new tokens of every layer (a compiled step's K/V, returned by
+        its graph). slots: [T] int64; k, v: [L, T, Hkv, D]: one encode and two copies per
+        pool for all layers, the codes `write` would store layer by layer."""
+        for kv, x in enumerate((k, v)):
+            if self.rotation is not None:
+                x = self.rotation.forward(x)
+            codes, scales = self.quant[kv].encode(x)  # [L, T, Hkv, W], [L, T, Hkv, D/G]
+            self.codes[kv].flatten(1, 2).index_copy_(1, slots, codes)
+            self.scales[kv].flatten(1, 2).index_copy_(1, slots, scales)
 
     def raw_pages(self, layer: int) -> KVPages:
         """Layer `layer`'s live code and scale pools, as stored (rotated for rk8v4), for

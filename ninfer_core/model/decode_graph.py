@@ -111,15 +111,17 @@ def attend_cached(
     gathered (or taken from `gathered`, the caller's `gather_heads` of them) and the rows'
     views of them built (`with_earlier_rows`) for `attend_with_new`. Either way every
     row is computed as that row alone would be, so a speculative round's rows equal lone
-    decodes bit for bit.
+    decodes bit for bit. A store that keeps K/V coded or rotated (int8, rk8v4) gets the
+    new rows as it will keep them (`read_back`; the kernel codes them itself).
     """
     pages = cpu_attention.served_pages(kv_store, attn.layer, q.shape[1])
     if pages is not None:
         return cpu_attention.decode_attention(
             q, pages, block_table, context, k, v, width, attn.scale
         )
-    # [B, Hkv, P * BS, D] each
+    # [B, Hkv, P * BS, D] each, decoded and un-rotated
     k_old, v_old = gathered or kv_store.gather_heads(attn.layer, block_table)
+    k, v = read_back(kv_store, attn.layer, k, v, k_old.dtype)
     if width == 1:
         return attend_with_new(q, k_old, v_old, k, v, attn.scale, context)
     steps = torch.arange(width, device=context.device)
@@ -127,6 +129,22 @@ def attend_cached(
     k_rows = with_earlier_rows(k_old, k, context, width)
     v_rows = with_earlier_rows(v_old, v, context, width)
     return attend_with_new(q, k_rows, v_rows, k, v, attn.scale, row_context)
+
+
+def read_back(
+    kv_store, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's k, v [R, Hkv, D] as a later step reads them from a store that keeps
+    them coded or rotated (`KVPages.read_back`, in the gathered pages' `dtype`), so its
+    own rows weigh as the eager step's, which reads them back from the pool; a store of
+    float pages (or one that describes none) gets them as computed."""
+    if kv_store.raw_pages is None:  # an optional member of the KVStore contract
+        return k, v
+    pages = kv_store.raw_pages(layer)
+    if pages.rotation is None and pages.k.encoding == pages.v.encoding == "float":
+        return k, v
+    k, v = pages.read_back(k, v)
+    return k.to(dtype), v.to(dtype)
 
 
 def with_earlier_rows(
