@@ -381,16 +381,19 @@ def test_deepseek_names_load_to_the_same_logits_as_qwen3_next_names(host, random
     assert torch.equal(logits[0], logits[1])
 
 
-def test_lm_head_draft_needs_a_draft_head(host, random_dir, tmp_path):
-    from ninfer_core.spec import draft_head
+def test_lm_head_draft_without_a_draft_head_is_served_by_one_built_while_loading(
+    host, random_dir, tmp_path
+):
+    from ninfer_core.spec.draft_head import ReducedHead, has_draft_head
 
-    if not hasattr(draft_head, "has_draft_head"):
-        pytest.skip("the reduced draft head is not in this build yet")
     target = _target(
-        host, _folder(random_dir, tmp_path / "m", _mtp_tensors(train_config(random_dir)))
-    )
-    support = MTPStrategy().supports_model(target.target, DraftOptions(lm_head_draft=True))
-    assert not support.ok and "ninfer draft-head build" in support.reason
+        host, _folder(random_dir, tmp_path / "m", _mtp_tensors(train_config(random_dir))),
+        DraftOptions(lm_head_draft=True, draft_vocab=64),
+    )  # fmt: skip
+    assert not has_draft_head(target.loaded.artifact)
+    assert MTPStrategy().supports_model(target.target, DraftOptions(lm_head_draft=True)).ok
+    head = target.drafter().head
+    assert isinstance(head, ReducedHead) and head.rows == 64
 
 
 def train_config(folder: Path) -> dict:
