@@ -72,8 +72,8 @@ def gated_delta_rule(
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     group = hv // q.shape[1]
     # Normalised and widened once for the whole step; [T, Hv, Dk] after the grouping.
-    qn = _l2norm(q.to(dtype)).mul_(dk**-0.5).repeat_interleave(group, dim=1)
-    kn = _l2norm(k.to(dtype)).repeat_interleave(group, dim=1)
+    qn = l2norm(q.to(dtype)).mul_(dk**-0.5).repeat_interleave(group, dim=1)
+    kn = l2norm(k.to(dtype)).repeat_interleave(group, dim=1)
     vf, gf, bf = v.to(dtype), g.to(dtype), beta.to(dtype)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     short = _Short.of(offsets, v.device)
@@ -361,7 +361,7 @@ def _pairwise_decay(cum: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill(above, float("-inf")).exp()
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / ||x|| over the last dim, as transformers' (and FLA's) `l2norm`: eps inside the
     root, so a zero vector stays zero."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)

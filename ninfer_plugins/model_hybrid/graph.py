@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ninfer_core.kernels.delta_rule import L2NORM_EPS
+from ninfer_core.kernels.delta_rule import l2norm
 from ninfer_core.model.decode_graph import attend_cached
 
 if TYPE_CHECKING:
@@ -167,8 +167,3 @@ def conv_rows(
     ends = valid.sum(1)  # [B]: real rows
     cols = ends[:, None] + torch.arange(carried, device=x.device)[None, :]  # [B, K - 1]
     return out, window.gather(2, cols[:, None, :].expand(b, channels, carried))
-
-
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """x / ||x|| over the last dim, eps inside the root (the reference's `_l2norm`)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
