@@ -20,8 +20,18 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ninfer_core.engine.request import RequestState
-from ninfer_core.sampling.grammar import GrammarCompiler, GrammarMatcher, mask_rows
+from ninfer_core.engine.request import InvalidRequestError, RequestState
+from ninfer_core.sampling.grammar import GrammarCompiler, GrammarMatcher, bounded, mask_rows
+
+
+class GrammarFailed(InvalidRequestError):
+    """The request's grammar dead-ended while decoding (past llguidance's limits at some
+    token, or no token left that it allows): the request's own fault, so it ends with a
+    400-class error whose message is bounded, and nothing else is affected. Compiling
+    already refuses what fails on the first token (`GrammarCompiler`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the request's grammar failed while decoding: {bounded(reason)}")
 
 
 def matcher_of(live: RequestState, compiler: GrammarCompiler) -> GrammarMatcher | None:
@@ -38,7 +48,7 @@ def allowed(matcher: GrammarMatcher, live: RequestState, vocab: int) -> np.ndarr
     """[vocab] bool: the grammar's tokens, with the request's stop tokens allowed exactly
     when the answer may end here."""
     if matcher.error:  # past llguidance's limits, or a token it refused: end the request
-        raise RuntimeError(f"the request's grammar failed: {matcher.error}")
+        raise GrammarFailed(matcher.error)
     mask = matcher.allowed()
     stops = [t for t in live.stops.stop_token_ids if 0 <= t < vocab]
     if stops:
@@ -93,5 +103,5 @@ def advance(live: RequestState, token: int) -> bool:
     if matcher is None or token in live.stops.stop_token_ids:
         return False
     if not matcher.consume(token):
-        raise ValueError(f"token {token} is outside the request's grammar: {matcher.error}")
+        raise GrammarFailed(f"token {token} is outside it: {matcher.error}")
     return matcher.stopped

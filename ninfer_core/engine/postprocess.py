@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ninfer_core.engine.block_manager import BlockManager
-from ninfer_core.engine.constraints import advance, mask_grammar, mask_round_grammar
+from ninfer_core.engine.constraints import (
+    GrammarFailed,
+    advance,
+    mask_grammar,
+    mask_round_grammar,
+)
 from ninfer_core.engine.faults import unusable_rows
 from ninfer_core.engine.model_runner import StepForward
 from ninfer_core.engine.request import EngineError, EngineStepError, FinishReason, RequestState
@@ -136,6 +141,8 @@ class Postprocessor:
                 continue
             try:
                 self.accept(live, token, events, lp)
+            except GrammarFailed as exc:
+                self.refuse(live, exc, events)
             except Exception as exc:
                 log.exception("postprocessing request %s failed", live.request_id)
                 self.fail(live, f"{type(exc).__name__}: {exc}", events)
@@ -183,6 +190,9 @@ class Postprocessor:
                 round_acceptor(live, rows, lambda t, lp: self.accept(live, t, events, lp)),
                 self._advance(seq), live.spec,
             )  # fmt: skip
+        except GrammarFailed as exc:
+            self.refuse(live, exc, events)
+            return 0
         except Exception as exc:
             log.exception("verifying the drafts of request %s failed", live.request_id)
             self.fail(live, f"{type(exc).__name__}: {exc}", events)
@@ -229,12 +239,17 @@ class Postprocessor:
             return logits
         try:
             return mask_grammar(logits, lives, self.grammars)
+        except GrammarFailed:
+            pass  # a request's own grammar: found and ended row by row below
         except Exception:
             log.exception("masking the batch by its grammars failed; masking row by row")
         rows = []
         for j, live in enumerate(lives):
             try:
                 rows.append(mask_grammar(logits[j : j + 1], [live], self.grammars))
+            except GrammarFailed as exc:
+                self.refuse(live, exc, events)
+                rows.append(logits[j : j + 1])
             except Exception as exc:
                 self.fail(live, f"the grammar failed: {type(exc).__name__}: {exc}", events)
                 rows.append(logits[j : j + 1])
@@ -298,6 +313,12 @@ class Postprocessor:
         elif at_limit:
             self._end(state, "length", events)
         return stop.finished or complete or at_limit
+
+    def refuse(self, live: RequestState, error: GrammarFailed, events: list) -> None:
+        """End one request for its own grammar: a 400-class error and one bounded log line."""
+        log.warning("request %s: %s", live.request_id, error)
+        if live.seq.status is not SequenceStatus.FINISHED:
+            self._end(live, "error", events, error=error)
 
     def fail(self, live: RequestState, why: str, events: list) -> None:
         """End one request with an internal error; the rest of the step goes on."""

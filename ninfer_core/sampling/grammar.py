@@ -35,6 +35,8 @@ from ninfer_core.text.tokenizer import Tokenizer
 
 #: Largest schema or grammar text a request may send (characters).
 MAX_GRAMMAR_CHARS = 256 * 1024
+#: Tokens of a new grammar run on a copy before it is accepted (`GrammarCompiler`).
+PROBE_TOKENS = 3
 #: Compiled (validated) grammars kept, by their text.
 CACHE_SIZE = 256
 #: JSON as the models write it (`json.dumps`' separators), no free whitespace: with free
@@ -45,8 +47,23 @@ Kind = Literal["json_schema", "json_object", "lark", "gbnf", "regex", "choice"]
 _NEG_INF = float("-inf")
 
 
+#: Longest reason a grammar error carries: llguidance's messages can quote the whole grammar
+#: and its parser state (hundreds of KB), which neither a client nor the log needs.
+MAX_REASON_CHARS = 300
+
+
+def bounded(reason: str) -> str:
+    """`reason`'s first line, cut to `MAX_REASON_CHARS`."""
+    line = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 1] + "…"
+
+
 class GrammarError(ValueError):
-    """A schema or grammar that cannot be compiled (the request's fault: a 400)."""
+    """A schema or grammar that cannot be compiled (the request's fault: a 400). Its
+    message is bounded (`bounded`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(bounded(reason))
 
 
 @dataclass(frozen=True)
@@ -201,11 +218,34 @@ class GrammarCompiler:
         )
         if template.is_error():
             raise GrammarError(template.get_error())
+        self._first_mask(template)
         with self._lock:
             self._cache[constraint] = template
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return template
+
+    def _first_mask(self, template: Any) -> None:
+        """Run the grammar's first `PROBE_TOKENS` tokens on a copy, so that a grammar that
+        compiles but cannot get going is refused now, with a 400, rather than ending its
+        request mid-answer: one whose language is empty (the class `[^\\s\\S]`), or one
+        past llguidance's limits from its first tokens on (a regex repeating a repeat a
+        thousand times, `"a"{1000000}` in GBNF, thousands of alternatives). Each step takes
+        an allowed token other than the end of the answer; the work is done once per
+        grammar (the template is cached) and bounded by the same limits."""
+        probe = GrammarMatcher(template.deep_copy(), self.vocab, self.logits_vocab)
+        eos = set(self.eos_ids)
+        for step in range(PROBE_TOKENS):
+            allowed = probe.allowed()
+            if probe.error:
+                raise GrammarError(f"the grammar fails on its first tokens: {probe.error}")
+            tokens = [int(t) for t in np.flatnonzero(allowed)[:64] if int(t) not in eos]
+            if step == 0 and not tokens and not probe.accepting:
+                raise GrammarError("the grammar matches nothing: no answer could satisfy it")
+            if not tokens or probe.stopped:
+                return
+            if not probe.consume(tokens[0]):
+                raise GrammarError(f"the grammar fails on its first tokens: {probe.error}")
 
 
 def mask_rows(logits: torch.Tensor, rows: list[tuple[int, np.ndarray]]) -> torch.Tensor:
