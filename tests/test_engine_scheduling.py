@@ -94,7 +94,8 @@ def test_requests_joining_mid_stream_keep_outputs(make_engine):
 
 
 def test_decode_keeps_running_while_another_prompt_prefills(make_engine):
-    engine = make_engine(max_concurrency=2, prefill_chunk=32)
+    """The budget's split; pacing on the clock is off (`test_engine_pacing.py` has it)."""
+    engine = make_engine(max_concurrency=2, prefill_chunk=32, decode_share=0.0)
     stream = engine.add(request(prompt(8, seed=1), max_tokens=40))
     engine.step()  # its whole prompt, first token
     long = engine.add(request(prompt(300, seed=2), max_tokens=4))

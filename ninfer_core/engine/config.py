@@ -18,10 +18,18 @@ class EngineConfig:
 
     max_concurrency: int = opt(2, "sequences that run (prefill or decode) at the same time")
     max_pending_requests: int = opt(16, "requests that may wait for a free slot; more: 429")
+    max_pending_per_key: int = opt(
+        0, "requests one API key may have waiting; more: 429 (0: only max-pending-requests)"
+    )
     pending_timeout_ms: int = opt(
         0, "longest wait in the queue; 0: derived from the work queued ahead (docs/engine.md)"
     )
     prefill_chunk: int = opt(1024, "token budget of one step: decode tokens first, then prefill")
+    decode_share: float = opt(
+        0.5,
+        "while streams decode, prefill beside them gets at most 1 - this of the time, so a "
+        "stream keeps about this fraction of its rate alone (engine/pacing.py); 0: no pacing",
+    )
     max_context: int = opt(4096, "longest sequence (prompt + output) in tokens")
     kv_capacity: int = opt(0, "KV pool size in tokens, shared by all sequences; 0: max-context")
     block_size: int = opt(16, "tokens per KV cache block (page)")
@@ -40,10 +48,13 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in (
-            "max_pending_requests", "pending_timeout_ms", "kv_capacity", "state_snapshot_interval"
+            "max_pending_requests", "max_pending_per_key", "pending_timeout_ms", "kv_capacity",
+            "state_snapshot_interval",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.decode_share < 1.0:
+            raise ValueError(f"decode_share must be in [0, 1), got {self.decode_share}")
         if self.state_snapshots < -1:
             raise ValueError(f"state_snapshots must be >= -1, got {self.state_snapshots}")
 

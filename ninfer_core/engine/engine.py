@@ -162,6 +162,7 @@ class Engine(StepThread):
         seq = Sequence(request.prompt_ids, max_tokens=max_tokens, cache_salt=request.cache_salt)
         seq.fan_out = request.n
         seq.embedding = request.pooling is not None
+        seq.tenant, seq.priority = request.tenant, request.priority
         state = RequestState(request, seq, sink, self.tokenizer, self._stop_ids(request))
         if self.drafter is not None:
             state.spec = SpecUsage()
@@ -178,6 +179,16 @@ class Engine(StepThread):
                     f"{self.config.max_pending_requests}); retry in about {retry} s",
                     retry_after=retry,
                 )
+            per_key = self.config.max_pending_per_key
+            if per_key and request.tenant is not None:
+                queued = self.scheduler.waiting_of(request.tenant)
+                if queued >= per_key:
+                    retry = max(1, math.ceil(self.scheduler.estimate_retry_after()))
+                    raise OverloadedError(
+                        f"this API key has {queued} requests queued (the limit is {per_key}); "
+                        f"retry in about {retry} s",
+                        retry_after=retry,
+                    )
             self.scheduler.add(seq, self.clock(), request.deadline, request.pending_timeout_s)
             self._live[request.request_id] = self._by_seq[seq.seq_id] = state
             self._wake.notify()
@@ -270,9 +281,7 @@ class Engine(StepThread):
                     rewind_states(self.runtime.states, result.ok, begun)
                 if not result.failed and not result.retried:
                     elapsed = self.clock() - start
-                    self.scheduler.costs.observe(
-                        plan.num_prefill_tokens, plan.num_decode_tokens, elapsed
-                    )
+                    self.scheduler.observe(plan, elapsed)
                 for seq, exc in result.failed:
                     if seq.status is SequenceStatus.RUNNING:
                         error = EngineStepError(f"the step failed: {type(exc).__name__}: {exc}")

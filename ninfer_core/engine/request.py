@@ -52,6 +52,12 @@ class GenerationRequest:
     #: `cached_tokens` cannot tell one tenant what another sent. None: the shared pool.
     #: Frontends set it from the API key and a request's own `cache_salt` (docs/engine.md).
     cache_salt: str | None = None
+    #: Who sent it, for fair admission: a hash of the API key that authenticated it (None:
+    #: no key checked). The queue serves the tenant with the fewest sequences running first
+    #: (`engine/scheduler.py`), and `max_pending_per_key` bounds what one tenant may queue.
+    tenant: str | None = None
+    #: Admission order before tenants and arrival: lower goes first (vLLM's `priority`).
+    priority: int = 0
     #: None: no log probabilities (nothing is computed). k in 0..20: each token's event
     #: carries its log probability and the k most likely tokens (`sampling/logprobs.py`).
     logprobs: int | None = None

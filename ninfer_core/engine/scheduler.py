@@ -3,14 +3,17 @@
 It sees `Sequence`s and the `BlockManager`'s page counts, never a tensor. Per step:
 
 1. queued sequences past their deadline leave the queue (the engine fails them);
-2. admission, FIFO: the queue's head starts when a slot is free and its prompt plus
-   `max_tokens` fits the pages nobody has claimed (free + idle cached, less the pages the
-   running sequences may still need); the head never is overtaken, so a long prompt is not
-   starved by short ones behind it;
+2. admission, in turn (`next_in_turn`): the lowest `priority`, then the tenant (API key)
+   with the fewest slots running, then the one admitted least recently, then the longest
+   waiting, so keys take turns and one key's flood of requests cannot keep another's out.
+   That sequence starts when a slot is free and its prompt plus `max_tokens` fits the
+   pages nobody has claimed (free + idle cached, less the pages the running sequences may
+   still need); it is never overtaken, so a long prompt is not starved by short ones;
 3. the batch: one decode token for every running sequence past its prompt, then prefill
    chunks of the running prompts, oldest first, in what is left of the `prefill_chunk` token
    budget. A running stream therefore gets a token every step, however long the prompt being
-   prefilled beside it.
+   prefilled beside it; and while any sequence decodes, prefill is paced on the clock
+   (`pacing.py`), so that the steps stay short and the streams keep a share of the time.
 
 Reserving `max_tokens` at admission means a running sequence never runs out of pages, so
 nothing is ever preempted or recomputed. A model with state layers also needs a free slot
@@ -22,13 +25,14 @@ one is wanted, and one is taken when a sequence ends, before its slot goes back.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ninfer_core.engine.block_manager import BlockManager
 from ninfer_core.engine.config import EngineConfig
 from ninfer_core.engine.fanout import fork_blocks
+from ninfer_core.engine.pacing import PrefillPacing
 from ninfer_core.engine.sequence import Sequence, SequenceStatus
 from ninfer_core.engine.state_snapshots import StateSnapshots
 from ninfer_core.kv.state import SequenceStatePool
@@ -106,6 +110,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.costs = StepCosts()
+        self.pacing = PrefillPacing(config.decode_share)
+        #: Admissions so far, and each tenant's latest: whose turn it is (`next_in_turn`).
+        self._admissions = 0
+        self._last_admitted: dict[str | None, int] = {}
 
     def __iter__(self) -> Iterator[Sequence]:
         """Every live sequence, running then waiting."""
@@ -127,6 +135,27 @@ class Scheduler:
             deadline = self.default_deadline(now) if timeout_s is None else now + timeout_s
         seq.status, seq.enqueued_at, seq.deadline = SequenceStatus.WAITING, now, deadline
         self.waiting.append(seq)
+
+    def next_in_turn(self) -> Sequence:
+        """The waiting sequence admission considers next: the lowest priority, then the
+        tenant holding the fewest running slots, then the one admitted least recently (so
+        tenants take turns even when one slot frees at a time), then the first to arrive."""
+        if len(self.waiting) == 1:
+            return self.waiting[0]
+        held: Counter[str | None] = Counter()
+        for s in self.running:
+            held[s.tenant] += s.fan_out
+        last = self._last_admitted
+
+        def turn(item: tuple[int, Sequence]) -> tuple[int, int, int, int]:
+            at, seq = item
+            return (seq.priority, held[seq.tenant], last.get(seq.tenant, -1), at)
+
+        return min(enumerate(self.waiting), key=turn)[1]
+
+    def waiting_of(self, tenant: str) -> int:
+        """Sequences of `tenant` in the queue."""
+        return sum(1 for s in self.waiting if s.tenant == tenant)
 
     def queue_length_with_one_more(self) -> int:
         """How many would wait if one more request came now, once free slots take theirs:
@@ -197,17 +226,26 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
+    def observe(self, plan: SchedulerOutput, seconds: float) -> None:
+        """How long `plan`'s batch took to run: the estimates and the pacing learn from it."""
+        prefill, decode = plan.num_prefill_tokens, plan.num_decode_tokens
+        self.costs.observe(prefill, decode, seconds)
+        self.pacing.observe(prefill, decode, seconds)
+
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         for seq in [s for s in self.waiting if s.deadline is not None and now >= s.deadline]:
             self.remove_waiting(seq)
             out.expired.append(seq)
         while self.waiting:
-            if self.slots_in_use + self.waiting[0].fan_out > self.config.max_concurrency:
+            seq = self.next_in_turn()
+            if self.slots_in_use + seq.fan_out > self.config.max_concurrency:
                 break
-            if not self._fits(self.waiting[0]):
+            if not self._fits(seq):
                 break
-            seq = self.waiting.popleft()
+            self.waiting.remove(seq)
+            self._admissions += 1
+            self._last_admitted[seq.tenant] = self._admissions
             if self.states is None:
                 self.block_manager.admit(seq, max_blocks=0 if seq.embedding else None)
             else:  # a block hit alone would lack the state: only snapshots resume
@@ -253,10 +291,12 @@ class Scheduler:
             if not s.is_prefilling
         ]
         # Decodes come first; a prompt still gets a block's worth when decodes fill the
-        # budget, so it is never starved by a full house of streams.
+        # budget, so it is never starved by a full house of streams (once the pacing's
+        # debt is paid).
         chunk = self.config.prefill_chunk
         decode_tokens = sum(n for _, n in decode)
-        budget = max(chunk - decode_tokens, min(chunk, self.config.block_size))
+        floor = min(chunk, self.config.block_size)
+        budget = self.pacing.prefill_tokens(bool(decode), max(chunk - decode_tokens, floor), floor)
         prefill = []
         for seq in self.running:
             if budget <= 0:

@@ -76,6 +76,10 @@ class Sequence:
         #: the prefix cache (every token's hidden state is pooled), and the steps it runs
         #: in keep the final hidden states.
         self.embedding = False
+        #: Its request's tenant and priority: the order in which the queue admits
+        #: (`Scheduler.next_in_turn`).
+        self.tenant: str | None = None
+        self.priority = 0
 
     def __len__(self) -> int:
         """Tokens a forward may run: the accepted ones, then the drafts under verification."""

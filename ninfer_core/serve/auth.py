@@ -1,7 +1,9 @@
 """The API-key check: `Authorization: Bearer KEY` or `x-api-key: KEY`, before the body is read.
 
 OpenAI clients send the key as a Bearer token and Anthropic clients as `x-api-key`; both are
-accepted on every route, so one key serves both. The comparison is constant-time
+accepted on every route, so one key serves both. `--api-key` may list several keys
+(comma-separated): each client its own, and each key a tenant that the queue serves in
+turn and whose prefix-cache blocks never mix with another's. The comparison is constant-time
 (`hmac.compare_digest`) so response timing says nothing about how much of a guess was right.
 The 401 is rendered in the shape of the protocol that owns the path (see `ErrorShapes`).
 Routes whose handler sets `opt={"no_auth": True}` (`/health`) and CORS preflights are exempt.
@@ -16,6 +18,7 @@ from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 
 from ninfer_core.serve.cache_salt import AUTHENTICATED_KEY
+from ninfer_core.serve.config import server_keys
 from ninfer_core.serve.errors import ApiError
 
 if TYPE_CHECKING:
@@ -51,7 +54,7 @@ class ApiKeyMiddleware(ASGIMiddleware):
     exclude_opt_key = NO_AUTH
 
     def __init__(self, api_key: str, shapes: ErrorShapes) -> None:
-        self.expected = api_key.encode()
+        self.expected = server_keys(api_key)
         self.shapes = shapes
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
@@ -59,7 +62,9 @@ class ApiKeyMiddleware(ASGIMiddleware):
             await next_app(scope, receive, send)
             return
         presented = presented_key(scope["headers"])
-        if key_matches(presented, self.expected):
+        # Every key is compared, so the time says nothing about which one came close.
+        matched = [key_matches(presented, key) for key in self.expected]
+        if any(matched):
             # The key salts the request's prefix-cache blocks (serve/cache_salt.py).
             scope[AUTHENTICATED_KEY] = presented  # type: ignore[literal-required]
             await next_app(scope, receive, send)

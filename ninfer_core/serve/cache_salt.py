@@ -10,7 +10,9 @@ whether anyone else sent a prompt from `cached_tokens` (a timing side channel to
 - a request may add its own `cache_salt` (as vLLM takes it), e.g. one per end user, to
   narrow sharing further.
 
-Only a hash of the two reaches the engine, so the key is never held or logged there.
+Only a hash of the two reaches the engine, so the key is never held or logged there. The
+key alone, hashed, also names the request's tenant (`tenant`): the queue admits tenants in
+turn and may bound what each has waiting (`engine/scheduler.py`).
 """
 
 from __future__ import annotations
@@ -43,3 +45,12 @@ def cache_salt(scope: Mapping[str, Any], requested: str | None) -> str | None:
         # Length-prefixed, so no (key, salt) pair can collide with another's concatenation.
         digest.update(b"-" if part is None else len(part).to_bytes(8, "big") + part)
     return digest.hexdigest()
+
+
+def tenant(scope: Mapping[str, Any]) -> str | None:
+    """Who sent the request, for fair admission: a hash of the API key that authenticated
+    it (None when the server checks no key)."""
+    key: bytes | None = scope.get(AUTHENTICATED_KEY)
+    if key is None:
+        return None
+    return hashlib.sha256(b"tenant:" + key).hexdigest()[:16]

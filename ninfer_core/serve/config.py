@@ -44,7 +44,9 @@ class ServeConfig:
         "placeholder such as gpt-3.5-turbo); *: any name. Answers still name --model-id",
     )
     api_key: str | None = opt(
-        None, f"require this key (Bearer or x-api-key); default: ${API_KEY_ENV}, unset: no auth"
+        None,
+        f"require this key (Bearer or x-api-key), or any of several comma-separated ones (a "
+        f"tenant each); default: ${API_KEY_ENV}, unset: no auth",
     )
     max_request_mib: float = opt(16.0, "largest request body in MiB; larger ones get 413")
     cors: str | None = opt(None, "comma-separated origins browsers may call from; *: any")
@@ -99,6 +101,8 @@ class ServeConfig:
             self.api_key = os.environ[API_KEY_ENV]
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty")
+        if self.api_key is not None:
+            server_keys(self.api_key)  # a ValueError for an empty entry ("a,,b")
 
     @property
     def max_request_bytes(self) -> int:
@@ -116,3 +120,12 @@ class ServeConfig:
     @property
     def cors_origins(self) -> list[str]:
         return [o.strip() for o in (self.cors or "").split(",") if o.strip()]
+
+
+def server_keys(api_key: str) -> list[bytes]:
+    """The keys `--api-key` names: one, or several separated by commas (one per client:
+    each key is a tenant of its own, `serve/cache_salt.py`)."""
+    keys = [k.strip().encode() for k in api_key.split(",")]
+    if not all(keys):
+        raise ValueError("api_key: an empty key in the list")
+    return keys

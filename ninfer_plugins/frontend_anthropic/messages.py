@@ -27,7 +27,7 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 from ninfer_core.engine.request import FinishEvent, GenerationRequest, TokenEvent, Usage
 from ninfer_core.sampling.grammar import Constraint, GrammarError
 from ninfer_core.serve import constraints as serve_constraints
-from ninfer_core.serve.cache_salt import cache_salt
+from ninfer_core.serve.cache_salt import cache_salt, tenant
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_plugins.frontend_anthropic import convert
@@ -142,6 +142,7 @@ async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) ->
         max_tokens=state.max_tokens(budget, len(ids)),
         stop=stops,
         cache_salt=salt,
+        tenant=tenant(scope),
         constraint=constraint,
     )
     thinking_open = convert.opens_thinking(state, ids)

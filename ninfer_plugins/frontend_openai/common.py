@@ -23,7 +23,7 @@ from ninfer_core.engine.request import (
 from ninfer_core.engine.request import Usage as EngineUsage
 from ninfer_core.sampling import MAX_TOP_LOGPROBS, TokenLogprobs
 from ninfer_core.sampling.grammar import Constraint
-from ninfer_core.serve.cache_salt import cache_salt
+from ninfer_core.serve.cache_salt import cache_salt, tenant
 from ninfer_core.serve.errors import ApiError, invalid
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
@@ -142,6 +142,8 @@ def generation_request(
         stop=stops,
         ignore_eos=data.ignore_eos,
         cache_salt=cache_salt(scope, data.cache_salt),
+        tenant=tenant(scope),
+        priority=data.priority,
         logprobs=logprobs,
         min_tokens=least,
         constraint=constraint,

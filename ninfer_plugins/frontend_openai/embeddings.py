@@ -28,7 +28,7 @@ from litestar.params import JSONBody
 from msgspec import Struct
 
 from ninfer_core.engine.request import FinishEvent, GenerationRequest
-from ninfer_core.serve.cache_salt import cache_salt
+from ninfer_core.serve.cache_salt import cache_salt, tenant
 from ninfer_core.serve.errors import ApiError
 from ninfer_core.serve.limits import until_disconnect
 from ninfer_core.serve.state import ServeState
@@ -106,7 +106,7 @@ async def embed_one(state: ServeState, request: GenerationRequest) -> FinishEven
 
 
 async def embed_all(
-    state: ServeState, inputs: list[list[int]], salt: str | None
+    state: ServeState, inputs: list[list[int]], salt: str | None, who: str | None = None
 ) -> list[FinishEvent]:
     """Each input's finish (its vector), `--max-concurrency` inputs at a time. One that
     fails cancels the others (a TaskGroup), so the request fails whole and frees its pages."""
@@ -118,7 +118,9 @@ async def embed_all(
                 group.create_task(
                     embed_one(
                         state,
-                        GenerationRequest(ids, pooling=state.options.pooling, cache_salt=salt),
+                        GenerationRequest(
+                            ids, pooling=state.options.pooling, cache_salt=salt, tenant=who
+                        ),
                     )
                 )
                 for ids in inputs[at : at + window]
@@ -155,7 +157,9 @@ def route_handlers(state: ServeState) -> list:
         inputs = await asyncio.to_thread(input_ids, state, data.input)
         salt = cache_salt(request.scope, data.cache_salt)
         try:
-            finishes = await until_disconnect(request, embed_all(state, inputs, salt))
+            finishes = await until_disconnect(
+                request, embed_all(state, inputs, salt, tenant(request.scope))
+            )
         except ExceptionGroup as group:  # the TaskGroup's: answer with the first failure
             while isinstance(group, ExceptionGroup):
                 group = group.exceptions[0]

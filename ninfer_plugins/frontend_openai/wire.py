@@ -141,6 +141,8 @@ class SamplingFields(Struct, kw_only=True):
     return_token_ids: bool = False
     #: llama.cpp's: the answer is JSON matching this schema.
     json_schema: dict[str, Any] | None = None
+    #: vLLM's: admission order, lower first (before API keys' turns and arrival).
+    priority: int = 0
     #: llama.cpp's: the answer matches this GBNF grammar.
     grammar: str | None = None
     #: vLLM's: a schema, regex, choice or grammar the answer must match.
