@@ -8,6 +8,7 @@ the final norm) of the same token ids, pooled (last token or mean) and L2-normal
 from __future__ import annotations
 
 import base64
+import dataclasses
 import struct
 
 import httpx
@@ -145,3 +146,22 @@ def test_embeddings_and_completions_share_the_engine(client, server):
     engine = server.state.engine
     assert engine.block_manager.num_used_blocks == 0
     engine.check_invariants()
+
+
+def test_one_call_may_send_at_most_max_embedding_tokens(client, server):
+    """The work one call asks for is bounded (a 2,048-input call of long texts used to hold
+    the engine for minutes): past `--max-embedding-tokens` together it is a 400."""
+    state = server.state
+    kept = state.options
+    ids = [list(range(10, 40))] * 3  # 90 tokens together
+    state.options = dataclasses.replace(kept, max_embedding_tokens=89)
+    try:
+        response = httpx.post(server.url + "/v1/embeddings", json={"input": ids})
+        fits = httpx.post(server.url + "/v1/embeddings", json={"input": ids[:2]})
+    finally:
+        state.options = kept
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and "90 tokens" in error["message"]
+    assert "--max-embedding-tokens" in error["message"]
+    assert fits.status_code == 200 and len(fits.json()["data"]) == 2

@@ -289,7 +289,7 @@ def load_state(
         default_max_tokens=serve.default_max_tokens,
         temperature=serve.temperature, top_p=serve.top_p, top_k=serve.top_k,
         min_p=serve.min_p, repetition_penalty=serve.repetition_penalty,
-        pooling=serve.pooling,
+        pooling=serve.pooling, max_embedding_tokens=serve.max_embedding_tokens,
         model_aliases=tuple(a.strip() for a in (serve.model_aliases or "").split(",") if a.strip()),
     )  # fmt: skip
     state = ServeState(

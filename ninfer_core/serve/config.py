@@ -63,6 +63,10 @@ class ServeConfig:
         "how /v1/embeddings pools the decoder's final hidden states: last (the last token's, "
         "as vLLM and Qwen3-Embedding do) or mean (over the input's tokens)",
     )
+    max_embedding_tokens: int = opt(
+        300_000,
+        "tokens one /v1/embeddings call may send, all inputs together (OpenAI's limit); more: 400",
+    )
     graceful_shutdown_s: float = opt(
         30.0, "on SIGINT/SIGTERM, seconds requests may finish before each ends with a 503 error"
     )
@@ -86,6 +90,10 @@ class ServeConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be last or mean, got {self.pooling!r}")
+        if self.max_embedding_tokens <= 0:
+            raise ValueError(
+                f"max_embedding_tokens must be positive, got {self.max_embedding_tokens}"
+            )
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections"):

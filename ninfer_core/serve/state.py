@@ -40,6 +40,8 @@ class ServeOptions:
     #: How `/v1/embeddings` pools the final hidden states: "last" or "mean"
     #: (`engine/pooling.py`).
     pooling: str = "last"
+    #: Tokens one `/v1/embeddings` call may send, its inputs together.
+    max_embedding_tokens: int = 300_000
 
     def serves(self, model: str) -> bool:
         """Whether a request naming `model` is for the served model."""

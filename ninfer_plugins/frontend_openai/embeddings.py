@@ -9,7 +9,10 @@ pooled, L2-normalised final hidden state of the decoder (`--pooling last`, the d
 (OpenAI's four forms), at most `MAX_INPUTS` of them; text is encoded with the tokenizer's
 special tokens as its tokenizer.json says (for Qwen3-Embedding that appends the
 `<|endoftext|>` its last-token pooling reads). The inputs of one request are submitted
-`--max-concurrency` at a time, so a large batch neither fills the queue nor waits on itself.
+`--max-concurrency` at a time, so a large batch neither fills the queue nor waits on itself,
+and together they hold at most `--max-embedding-tokens` (300,000 by default, OpenAI's
+limit): the work one call may ask for is bounded, and while it runs the streams beside it
+keep their share of the time (`engine/pacing.py`).
 `encoding_format` is `float` (a list of numbers) or `base64` (the little-endian float32 bytes,
 what the `openai` SDK asks for by default and decodes). `dimensions` is taken only when it is
 the model's own width: these vectors are not trained to be truncated.
@@ -155,6 +158,13 @@ def route_handlers(state: ServeState) -> list:
         if data.cache_salt is not None and not data.cache_salt:
             raise refuse("cache_salt", "must be a non-empty string")
         inputs = await asyncio.to_thread(input_ids, state, data.input)
+        total, limit = sum(map(len, inputs)), state.options.max_embedding_tokens
+        if total > limit:
+            raise refuse(
+                "input",
+                f"the inputs have {total} tokens together; one request may send at most "
+                f"{limit} (--max-embedding-tokens): split them over several requests",
+            )
         salt = cache_salt(request.scope, data.cache_salt)
         try:
             finishes = await until_disconnect(
