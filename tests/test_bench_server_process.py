@@ -13,11 +13,16 @@ from ninfer_core.bench.soak import run_bench as run_soak
 
 @pytest.mark.slow
 def test_isolation_hostile_clients_leave_the_victims_text_alone():
-    cfg = IsolationBenchConfig(victim_tokens=24, prompt_mib=1.0, stop_count=500)
+    cfg = IsolationBenchConfig(
+        victim_tokens=24, prompt_mib=1.0, stop_count=500, embed_inputs=2, flood_clients=2
+    )
     result = run_isolation(cfg)
     rows = {r["class"]: r for r in result["rows"]}
     assert result["health_after"] == 200
-    assert len(rows) == 5 and rows["alone"]["tok_s"] > 0
+    assert len(rows) == 7 and rows["alone"]["tok_s"] > 0
+    # the fairness cases ran: the other key's embeddings and prompts were served
+    assert rows["embeddings flood (2 inputs a call)"]["hostile_status"].get(200, 0) >= 1
+    assert rows["one key's flood"]["hostile_status"].get(200, 0) >= 1
     assert set(rows["ordinary short requests"]["hostile_status"]) == {200}
     for row in rows.values():
         assert row["same_text"], row  # greedy: another client must not change the answer

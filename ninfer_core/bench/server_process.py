@@ -109,15 +109,19 @@ def request(
     *,
     timeout: float = 600,
     raw: bytes | None = None,
+    key: str | None = None,
 ) -> Reply:
-    """One request; a streaming answer (text/event-stream) is read event by event, each data
-    line parsed as JSON and stamped with `time.perf_counter()` when it arrived."""
+    """One request (`key`: its Bearer token); a streaming answer (text/event-stream) is
+    read event by event, each data line parsed as JSON and stamped with
+    `time.perf_counter()` when it arrived."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         body = (
             raw if raw is not None else (None if payload is None else json.dumps(payload).encode())
         )
         headers = {"content-type": "application/json"} if body is not None else {}
+        if key is not None:
+            headers["authorization"] = f"Bearer {key}"
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         if "text/event-stream" not in resp.getheader("content-type", ""):
