@@ -37,6 +37,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import validate_repo_id
 
 from ninfer_core.errors import NInferError
 
@@ -82,6 +83,21 @@ def check_revision(revision: str, *, allow_unpinned: bool = False) -> str:
         f"pin a commit: `--revision {revision}` {what}. Give the full 40-hex commit sha "
         "(the repo's history on the Hub lists it), or pass --allow-unpinned to accept"
     )
+
+
+def check_repo_id(repo_id: str) -> str:
+    """`repo_id` when the Hub would take it (`namespace/name`, its characters and length),
+    else a PullError that says so in one line (huggingface_hub's own check raises outside
+    anything a caller catches, with the whole id echoed)."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        shown = repo_id if len(repo_id) <= 60 else repo_id[:57] + "..."
+        raise PullError(
+            f"{shown!r} is not a Hub repo id: give 'namespace/name' (letters, digits, '-', "
+            "'_' and '.', at most 96 characters a part), e.g. Qwen/Qwen3-0.6B"
+        ) from None
+    return repo_id
 
 
 def check_filename(filename: str) -> str:
@@ -137,6 +153,7 @@ def pull(
     (`HF_HUB_OFFLINE=1`) only the cache is used, and a branch or tag resolves through the
     cache's `refs/`. Raises PullError for anything the user can fix.
     """
+    repo_id = check_repo_id(repo_id)
     filename = check_filename(filename)
     revision = check_revision(revision, allow_unpinned=allow_unpinned)
     expected = check_sha256(sha256) if sha256 is not None else None

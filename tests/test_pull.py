@@ -342,3 +342,11 @@ def test_sha256_mismatch_removes_a_plain_file_entry_and_says_nothing_was_outside
     )
     assert code == 1 and not entry.exists()
     assert f"removed {entry} from the cache" in err and "outside" not in err
+
+
+@pytest.mark.parametrize("repo", ["../../etc", "a b", "x" * 1000, "", "a/b/c"])
+def test_bad_repo_ids_are_refused_in_one_line(tmp_path, capsys, repo):
+    code = main(["pull", repo, "--dir", str(tmp_path), "--revision", COMMIT, "--file", "x.json"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "is not a Hub repo id" in err and len(err) < 300, err
