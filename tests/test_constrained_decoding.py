@@ -161,6 +161,51 @@ def test_openai_forced_tool_calls_parse_and_match(server, stream, choice):
             jsonschema.validate(json.loads(arguments), TOOLS[name]["parameters"])
 
 
+#: The weather tool as Pydantic writes its schema: the options in `$defs`, by reference.
+PYDANTIC_WEATHER = {
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {
+        "$defs": {
+            "WeatherOptions": {
+                "type": "object",
+                "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["unit"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "options": {"$ref": "#/$defs/WeatherOptions"},
+        },
+        "required": ["city", "options"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_take_schemas_with_defs_and_refs(server, choice):
+    """`$defs`/`$ref` (Pydantic, the agent SDKs) under `tool_choice` required or named:
+    the call's arguments match the schema, references resolved (a 400 before)."""
+    tools = [{"type": "function", "function": PYDANTIC_WEATHER},
+             {"type": "function", "function": TOOLS["get_time"]}]  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with openai_sdk(server) as client:
+        for seed in range(2):
+            _, calls, reason = chat_answer(
+                client, stream=False, messages=ASK_TOOL, tools=tools, temperature=1.0,
+                seed=seed, tool_choice="required" if choice == "required" else named,
+            )  # fmt: skip
+            assert reason == "tool_calls" and len(calls) == 1, calls
+            name, arguments = calls[0]
+            schema = PYDANTIC_WEATHER["parameters"] if name == "get_weather" else None
+            if schema is not None:
+                jsonschema.validate(json.loads(arguments), schema)
+            assert choice == "required" or name == "get_weather"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_anthropic_forced_tool_use_parses_and_matches(server, stream, choice):

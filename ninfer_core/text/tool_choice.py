@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from ninfer_core.sampling.grammar import JSON_OPTIONS
 from ninfer_core.text.reasoning import THINK_CLOSE, THINK_OPEN
 from ninfer_core.text.tool_calls import TOOL_CLOSE, TOOL_OPEN
 
@@ -97,6 +98,11 @@ def _tag(tokenizer: Tokenizer, tag: str) -> str:
     return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(tag)
 
 
+#: JSON as the models write it, no free whitespace (as `sampling/grammar.py`'s schemas):
+#: with free whitespace a small model can fill its budget with blanks inside the call.
+STRICT_JSON = {"x-guidance": JSON_OPTIONS}
+
+
 def call_grammar(
     template: ChatTemplate | None,
     forced: ForcedCall | None,
@@ -120,20 +126,36 @@ def call_grammar(
         schemas[fn.get("name")] = fn.get("parameters") or fn.get("input_schema") or {}
     close = f'"\\n" {_tag(tokenizer, TOOL_CLOSE)}'
     if form == "json" and forced.name is not None:  # the opening ends with `"arguments":`
-        params = schemas.get(forced.name) or {"type": "object"}
+        params = {**(schemas.get(forced.name) or {"type": "object"}), **STRICT_JSON}
         return f'start: " " args "}}" {close}\nargs: %json {json.dumps(params)}\n'
     names = [forced.name] if forced.name is not None else list(schemas)
+    # Each tool's schema sits under the wrapper's `$defs`, so the references inside it
+    # (`#/$defs/...`, as Pydantic and the agent SDKs write them) resolve there, moved.
+    defs = {f"tool{i}": moved_refs(schemas.get(name) or {"type": "object"}, f"tool{i}")
+            for i, name in enumerate(names)}  # fmt: skip
     calls = [
         {
             "type": "object",
-            "properties": {
-                "name": {"const": name},
-                "arguments": schemas.get(name) or {"type": "object"},
-            },
+            "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for name in names
+        for i, name in enumerate(names)
     ]
     opening = "" if form == "json" else f'{_tag(tokenizer, TOOL_OPEN)} "\\n" '
-    return f"start: {opening}call {close}\ncall: %json {json.dumps({'anyOf': calls})}\n"
+    wrapper = {"$defs": defs, "anyOf": calls, **STRICT_JSON}
+    return f"start: {opening}call {close}\ncall: %json {json.dumps(wrapper)}\n"
+
+
+def moved_refs(schema: Any, key: str) -> Any:
+    """`schema` with each document-local `$ref` (`#`, `#/$defs/X`, `#/properties/...`)
+    rewritten for the schema placed at `#/$defs/<key>` of another document."""
+    if isinstance(schema, dict):
+        moved = {k: moved_refs(v, key) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            moved["$ref"] = f"#/$defs/{key}{ref[1:]}"
+        return moved
+    if isinstance(schema, list):
+        return [moved_refs(v, key) for v in schema]
+    return schema
