@@ -202,8 +202,17 @@ def stream_usages(claude, messages) -> tuple[dict, dict]:
     return {f: getattr(start, f) for f in fields}, {f: getattr(final, f) for f in fields}
 
 
+def with_breakpoint(messages: list[dict]) -> list[dict]:
+    """The same messages with a `cache_control` breakpoint on the last one's text."""
+    last = messages[-1]
+    block = {"type": "text", "text": last["content"], "cache_control": {"type": "ephemeral"}}
+    return [*messages[:-1], {"role": last["role"], "content": [block]}]
+
+
 def test_anthropic_message_start_splits_cache_reads_and_writes(claude, server):
-    messages = unique_prompt()
+    """With a breakpoint, the full blocks a request put into the cache are its cache
+    writes; the blocks it read are reads, in `message_start` already."""
+    messages = with_breakpoint(unique_prompt())
     block = server.state.engine.config.block_size
     first_start, first_final = stream_usages(claude, messages)
     prompt = sum(first_final.values())
@@ -217,3 +226,31 @@ def test_anthropic_message_start_splits_cache_reads_and_writes(claude, server):
     # What was read is not written again: the full blocks are read or written, once.
     cache = again_final["cache_read_input_tokens"] + again_final["cache_creation_input_tokens"]
     assert cache == prompt // block * block
+
+
+def test_anthropic_without_a_breakpoint_a_cold_prompt_is_all_input_tokens(claude):
+    """As in Anthropic's API, a request with no `cache_control` writes nothing: a cold
+    prompt's tokens are all `input_tokens` (they used to count as cache writes, leaving
+    `input_tokens: 0`), and a warm one's are reads and input."""
+    messages = unique_prompt()
+    start, final = stream_usages(claude, messages)
+    assert start == final and final["input_tokens"] > 0
+    assert final["cache_creation_input_tokens"] == final["cache_read_input_tokens"] == 0
+    _, again = stream_usages(claude, messages)
+    assert again["cache_read_input_tokens"] > 0 and again["cache_creation_input_tokens"] == 0
+    assert again["input_tokens"] + again["cache_read_input_tokens"] == final["input_tokens"]
+
+
+def test_count_tokens_counts_a_prompt_longer_than_the_context(claude, server):
+    """An agent asks how long its prompt is in order to compact it: past the context it
+    gets the count (it used to get a 400), and /v1/messages still refuses to run it."""
+    tools = [
+        {"name": f"tool_{i}", "description": f"does thing number {i} to the input",
+         "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}}
+        for i in range(300)
+    ]  # fmt: skip
+    ask = [{"role": "user", "content": "hi"}]
+    count = claude.messages.count_tokens(model=MODEL_ID, messages=ask, tools=tools)
+    assert count.input_tokens > server.state.max_context
+    with pytest.raises(anthropic.BadRequestError, match="context"):
+        claude.messages.create(model=MODEL_ID, messages=ask, tools=tools, max_tokens=2)

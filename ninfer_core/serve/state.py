@@ -70,11 +70,14 @@ class ServeState:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        whole: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Prompt ids for a conversation, through the model's chat template. With
         `continue_final_message` (and no generation prompt) the last message is left open
-        and the answer continues it: an assistant prefill."""
+        and the answer continues it: an assistant prefill. With `whole`, a prompt longer
+        than the context is counted all the same (token counting: the request body's limit
+        bounds the work), where a prompt to run is refused past the context."""
         if self.template is None:
             raise invalid("this model has no chat template; use the completions endpoint")
         try:
@@ -87,6 +90,8 @@ class ServeState:
             )
         except ChatTemplateError as exc:
             raise invalid(f"the chat template rejected the conversation: {exc}") from None
+        if whole:
+            return self.tokenizer.encode(text, add_special_tokens=False)
         return self.encode_prompt(text, add_special_tokens=False)
 
     def encode_prompt(

@@ -185,19 +185,21 @@ def opening(state: ServeState, prompt: Prompt) -> str:
     return call_opening(state.template, prompt.forced)
 
 
-def render(state: ServeState, prompt: Prompt) -> list[int]:
+def render(state: ServeState, prompt: Prompt, *, whole: bool = False) -> list[int]:
     """Prompt token ids; a prefill is rendered open, so the model continues its text; a
-    forced call's opening comes last."""
-    return with_opening(state.tokenizer, _render(state, prompt), opening(state, prompt))
+    forced call's opening comes last. `whole`: counted past the context (count_tokens)."""
+    ids = _render(state, prompt, whole=whole)
+    return with_opening(state.tokenizer, ids, opening(state, prompt))
 
 
-def _render(state: ServeState, prompt: Prompt) -> list[int]:
+def _render(state: ServeState, prompt: Prompt, *, whole: bool = False) -> list[int]:
     """The same render as OpenAI chat's `continue_final_message` for a prefill, so one
     conversation is one prompt through both protocols."""
     return state.render(
         prompt.messages,
         prompt.tools,
         continue_final_message=prompt.prefill,
+        whole=whole,
         **prompt.template_kwargs,
     )
 

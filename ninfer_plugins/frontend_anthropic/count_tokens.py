@@ -24,5 +24,6 @@ async def count_tokens(
 ) -> dict[str, int]:
     anthropic.check_model(data.model)
     prompt = convert.to_prompt(data)
-    ids = await asyncio.to_thread(convert.render, anthropic.state, prompt)
+    # Counted whole: a client asks in order to learn how far over the context it is.
+    ids = await asyncio.to_thread(convert.render, anthropic.state, prompt, whole=True)
     return {"input_tokens": len(ids)}

@@ -35,7 +35,7 @@ from ninfer_plugins.frontend_anthropic.blocks import BlockAssembler
 from ninfer_plugins.frontend_anthropic.context import Context
 from ninfer_plugins.frontend_anthropic.errors import error_body
 from ninfer_plugins.frontend_anthropic.pump import TICK, EventPump
-from ninfer_plugins.frontend_anthropic.usage import usage
+from ninfer_plugins.frontend_anthropic.usage import has_breakpoint, usage
 from ninfer_plugins.frontend_anthropic.wire import MessagesRequest
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ class Plan:
     opening: str = ""
     #: The final usage carries `spec_stats` (the request's `return_spec_stats`).
     spec_stats: bool = False
+    #: The request marks a `cache_control` breakpoint: its cache writes count as such.
+    breakpoint: bool = False
 
     def assembler(self) -> BlockAssembler:
         blocks = BlockAssembler(
@@ -150,7 +152,7 @@ async def plan(ctx: Context, data: MessagesRequest, scope: Mapping[str, Any]) ->
     opening = convert.opening(state, prompt)
     served = state.options.model_id  # an alias (`--model-aliases`) answers as the model
     return Plan(request, served, prompt.tools, thinking_open, stops, clamped, opening,
-                data.return_spec_stats)  # fmt: skip
+                data.return_spec_stats, has_breakpoint(data))  # fmt: skip
 
 
 def stop_reason(plan: Plan, finish: FinishEvent, tool_use: bool) -> tuple[str, str | None]:
@@ -200,7 +202,9 @@ async def create_message(
     blocks = p.assembler()
     finish = await until_disconnect(request, collect(state.generate(p.request), blocks))
     reason, sequence = stop_reason(p, finish, blocks.has_tool_use)
-    spent = usage(finish.usage, state.engine.config, with_spec=p.spec_stats)
+    spent = usage(
+        finish.usage, state.engine.config, breakpoint=p.breakpoint, with_spec=p.spec_stats
+    )
     body = message(mid, p, blocks.blocks, stop_reason=reason, stop_sequence=sequence,
                    usage=spent)  # fmt: skip
     return Response(body, status_code=200, headers=headers)
@@ -227,7 +231,7 @@ async def stream(
         cached = first.cached_tokens if isinstance(first, TokenEvent) else None
         start = Usage(len(plan.request.prompt_ids), 0, cached or 0)
         config = ctx.state.engine.config
-        head = message(mid, plan, [], usage=usage(start, config))
+        head = message(mid, plan, [], usage=usage(start, config, breakpoint=plan.breakpoint))
         yield _sse({"type": "message_start", "message": head})
         yield _sse(PING)
         blocks, finish = plan.assembler(), None
@@ -246,7 +250,7 @@ async def stream(
             yield _sse(event)
         reason, sequence = stop_reason(plan, finish, blocks.has_tool_use)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        spent = usage(finish.usage, config, with_spec=plan.spec_stats)
+        spent = usage(finish.usage, config, breakpoint=plan.breakpoint, with_spec=plan.spec_stats)
         yield _sse({"type": "message_delta", "delta": delta, "usage": spent})
         yield _sse({"type": "message_stop"})
     except ApiError as exc:

@@ -3,7 +3,7 @@
 Litestar decodes bodies straight into these, so a wrong type or a missing field fails
 before a handler runs, with msgspec's message naming the field (`errors.py` turns it
 into Anthropic's error shape), and the OpenAPI schema shows the real request types.
-Fields this server has no use for (`cache_control`, `citations`, `service_tier`, …)
+Fields this server has no use for (`citations`, `service_tier`, …)
 are accepted and ignored rather than refused, because clients send them routinely.
 Responses are built as plain dicts in `blocks.py` and `messages.py`.
 """
@@ -19,30 +19,36 @@ from msgspec import Meta, Struct
 
 class TextBlock(Struct, tag="text", kw_only=True):
     text: str
+    #: A prompt-cache breakpoint; what it changes here is how `usage` counts (`usage.py`).
+    cache_control: dict[str, Any] | None = None
 
 
 class ImageBlock(Struct, tag="image", kw_only=True):
     """Accepted by the decoder only so that it can be refused with a clear message."""
 
     source: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class DocumentBlock(Struct, tag="document", kw_only=True):
     """Accepted by the decoder only so that it can be refused with a clear message."""
 
     source: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolUseBlock(Struct, tag="tool_use", kw_only=True):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolResultBlock(Struct, tag="tool_result", kw_only=True):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     is_error: bool = False
+    cache_control: dict[str, Any] | None = None
 
 
 class ThinkingBlock(Struct, tag="thinking", kw_only=True):
@@ -81,6 +87,7 @@ class Tool(Struct, kw_only=True):
     input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolChoiceAuto(Struct, tag="auto", kw_only=True):
