@@ -256,6 +256,10 @@ def test_an_unknown_previous_response_id_is_an_error(client):
         client.responses.create(model=MODEL_ID, input="Hi", previous_response_id="resp_nope")
     error = caught.value.body
     assert error["param"] == "previous_response_id" and error["type"] == "invalid_request_error"
+    huge = "resp_" + "x" * 1_000_000  # not echoed back whole
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model=MODEL_ID, input="Hi", previous_response_id=huge)
+    assert len(caught.value.body["message"]) < 300
 
 
 def test_the_store_is_bounded_and_evicts_the_least_recently_used(client):

@@ -63,10 +63,12 @@ class ResponseStore:
         """The stored response (now the most recently used); a 404 when unknown."""
         entry = self._entries.get(response_id)
         if entry is None:
+            # An id is ours (`resp_` and 32 hex digits): a longer one is not echoed back.
+            shown = response_id if len(response_id) <= 64 else response_id[:61] + "..."
             raise ApiError(
                 404,
                 "not_found",
-                f"Response with id {response_id!r} not found (never stored, or evicted from "
+                f"Response with id {shown!r} not found (never stored, or evicted from "
                 "this server's bounded store).",
                 param=param,
             )
