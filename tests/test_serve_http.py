@@ -142,13 +142,25 @@ def test_auth_accepts_bearer_or_x_api_key_and_exemptshealth_status(server):
     url = server.url
     assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
-    assert httpx.get(url + "/health").status_code == 200
+    # /health answers anyone, but says what the server runs only to a client with a key
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/health", headers={"x-api-key": "nope"}).json() == {"status": "ok"}
+    assert httpx.get(url + "/health", headers=AUTH).json()["model"] == MODEL_ID
     for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": KEY + "x"},
                     {"Authorization": f"Basic {KEY}"}):  # fmt: skip
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=headers)
         assert r.status_code == 401 and openai_error(r)["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(url + "/metrics").status_code == 401
+    # an unknown path is as closed as a known one: 401 without a key, 404 with it
+    assert httpx.get(url + "/v1/nowhere").status_code == 401
+    assert httpx.get(url + "/v1/nowhere", headers=AUTH).status_code == 404
+    # two different keys in one request are no key (which one counts would be a guess)
+    two = [("x-api-key", "nope"), ("x-api-key", KEY)]
+    r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=two)
+    assert r.status_code == 401 and "more than one API key" in openai_error(r)["message"]
+    both = [("x-api-key", KEY), ("authorization", f"Bearer {KEY}")]
+    assert httpx.get(url + "/v1/models", headers=both).status_code == 200
 
 
 def test_each_protocol_answers_in_its_own_shape(server):
@@ -535,3 +547,26 @@ def test_serve_starts_reports_and_shuts_down_cleanly_on_sigterm(model_dir):
     for line in ("listening on " + url, "KV pool: 64 pages x 16 tokens", "ready: " + url):
         assert line in out, out
     assert "kv codecs: fp32" in out
+
+
+def test_a_loopback_server_answers_only_hosts_of_loopback(model_dir):
+    """DNS rebinding: a page whose own name resolves to 127.0.0.1 sends `Host: its name`;
+    a server listening on loopback refuses it, in the protocol's shape, and answers
+    `localhost`, `127.0.0.1` and `[::1]` at any port."""
+    from ninfer_core.serve.hosts import allowed_hosts, host_name
+
+    assert allowed_hosts(None, ["127.0.0.1"]) == ["localhost", "127.0.0.1", "::1"]
+    assert allowed_hosts(None, ["127.0.0.1", "0.0.0.0"]) is None
+    assert allowed_hosts("a.example, *", ["127.0.0.1"]) is None
+    assert host_name(b"[::1]:8000") == "::1" and host_name(b"LocalHost:1") == "localhost"
+    state = make_state(model_dir)
+    app = create_app(state, openai_host(), hosts=allowed_hosts(None, ["127.0.0.1"]))
+    with ServerThread(app) as srv:
+        for name in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", ""):
+            r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers={"host": name})
+            assert r.status_code == 400, name
+            assert "does not answer to Host" in openai_error(r)["message"]
+        for name in ("localhost:1234", "127.0.0.1", "[::1]:80", "127.0.0.2"):
+            r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers={"host": name})
+            assert r.status_code == 200, (name, r.text)
+    state.engine.close()

@@ -47,6 +47,10 @@ class ServerProcess:
         argv += ["--port", str(self.port), "--threads", str(threads), *args]
         self.argv = argv
         self.ready_s = ready_s
+        #: The server's first API key, if it checks keys: /health says more to a client
+        #: that may use the API (the kernel each op runs on, which benches print).
+        given = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.key = given.split(",")[0].strip() if given else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.kernel_ops: list[dict[str, Any]] | None = None
 
@@ -65,7 +69,7 @@ class ServerProcess:
                 self.log.close()
                 raise NInferError(f"ninfer-serve exited with {self.proc.returncode}: {err[-2000:]}")
             try:
-                health = request(self.port, "GET", "/health", None, timeout=2)
+                health = request(self.port, "GET", "/health", None, timeout=2, key=self.key)
                 if health.status == 200:
                     #: Which kernel backend serves each op, as the server reports it.
                     self.kernel_ops = (health.body or {}).get("kernel_ops")

@@ -130,6 +130,7 @@ def run(
     from ninfer_core.device import probe_device
     from ninfer_core.plugin_host import create_host
     from ninfer_core.serve.app import attach_state, create_app
+    from ninfer_core.serve.hosts import allowed_hosts
     from ninfer_core.serve.server import bind_sockets, build_server, socket_urls
     from ninfer_core.serve.shutdown import end_requests
 
@@ -140,9 +141,11 @@ def run(
     sockets = bind_sockets(serve.host, serve.port)
     urls = socket_urls(sockets)
     print_probe(host, device, runtime, spec)
+    listen = [h.strip() for h in serve.host.split(",") if h.strip()]
     app = create_app(
         None, host, api_key=serve.api_key, max_request_mib=serve.max_request_mib,
         body_timeout_s=serve.body_timeout_s, cors=serve.cors_origins or None,
+        hosts=allowed_hosts(serve.allowed_hosts, listen),
     )  # fmt: skip
     server = build_server(app, serve.limits, end_requests=lambda: end_requests(app))
     failure: list[BaseException] = []

@@ -29,8 +29,10 @@ from litestar.types import Scope, Send
 from ninfer_core import __version__
 from ninfer_core.plugin_host import PluginHost
 from ninfer_core.plugin_types import Frontend
-from ninfer_core.serve.auth import NO_AUTH, ApiKeyMiddleware
+from ninfer_core.serve.auth import NO_AUTH, ApiKeyMiddleware, authorized, unauthorized
+from ninfer_core.serve.config import server_keys
 from ninfer_core.serve.errors import ApiError
+from ninfer_core.serve.hosts import HostGuard
 from ninfer_core.serve.limits import BodyLimitMiddleware
 from ninfer_core.serve.metrics import CONTENT_TYPE, ServeMetrics
 from ninfer_core.serve.shutdown import ShutdownGuard
@@ -160,21 +162,29 @@ def create_app(
     max_request_mib: float = 16.0,
     body_timeout_s: float | None = None,
     cors: list[str] | None = None,
+    hosts: list[str] | None = None,
 ) -> Litestar:
     """The app; with `state` None it answers 503 until `attach_state` is called.
-    `body_timeout_s`: a request's whole body must arrive within it (None: no limit)."""
+    `body_timeout_s`: a request's whole body must arrive within it (None: no limit).
+    `hosts`: the `Host` names it answers (None: any; `serve/hosts.py`)."""
     frontends = list(host.frontends)
     shapes = ErrorShapes.from_frontends(frontends)
     metrics = ServeMetrics(lambda: app.state.serve)
 
+    keys = server_keys(api_key) if api_key else None
+
     @get("/health", opt={NO_AUTH: True}, sync_to_thread=False, include_in_schema=False)
-    def health() -> Response:
+    def health(request: Request) -> Response:
+        """Status for anyone (load balancers probe without a key); the model and the kernel
+        each op runs on (which benches print) only for a client that may use the API."""
         serve = app.state.serve
         if not app.state.ready or serve is None:
             return Response({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
-        body: dict[str, Any] = {"status": "ok", "model": serve.options.model_id}
-        if serve.kernels:  # which backend serves each op: benches print it
-            body["kernel_ops"] = [c.to_json() for c in serve.kernels]
+        body: dict[str, Any] = {"status": "ok"}
+        if keys is None or authorized(request.scope["headers"], keys) is not None:
+            body["model"] = serve.options.model_id
+            if serve.kernels:
+                body["kernel_ops"] = [c.to_json() for c in serve.kernels]
         return Response(body)
 
     @get("/metrics", sync_to_thread=False, include_in_schema=False)
@@ -182,12 +192,19 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def on_error(request: Request, exc: Exception) -> Response:
+        headers = request.scope["headers"]
+        if isinstance(exc, NotFoundException) and keys and authorized(headers, keys) is None:
+            # An unknown path is as closed as a known one: without a key, a 401 (a 404
+            # would tell a caller without a key which routes exist).
+            return shapes.response(request.url.path, unauthorized(headers))
         return shapes.response(request.url.path, as_api_error(exc, ready=app.state.ready))
 
     limit = int(max_request_mib * 1024 * 1024)
     middleware: list[Any] = [BodyLimitMiddleware(limit, shapes, body_timeout_s)]
     if api_key:
         middleware.insert(0, ApiKeyMiddleware(api_key, shapes))
+    if hosts is not None:  # before the key: a rebinding page holds no key anyway
+        middleware.insert(0, HostGuard(hosts, shapes))
     middleware.insert(0, ShutdownGuard(shapes))  # outermost: it answers for what it wraps
     app = Litestar(
         route_handlers=[health, metrics_route],

@@ -29,22 +29,49 @@ if TYPE_CHECKING:
 NO_AUTH = "no_auth"
 
 
-def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The key a request carries: `x-api-key`, else a Bearer token, else None."""
-    bearer = None
+def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """Every key a request carries: its `x-api-key` headers, then its Bearer tokens."""
+    given, bearers = [], []
     for name, value in headers:
         if name == b"x-api-key":
-            return value.strip()
-        if name == b"authorization":
+            given.append(value.strip())
+        elif name == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
             if scheme.lower() == b"bearer":
-                bearer = token.strip()
-    return bearer
+                bearers.append(token.strip())
+    return given + bearers
+
+
+def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request carries: `x-api-key`, else a Bearer token, else None. A request
+    that carries two different keys carries none: which one counts would be a guess."""
+    keys = presented_keys(headers)
+    return keys[0] if keys and all(k == keys[0] for k in keys) else None
 
 
 def key_matches(presented: bytes | None, expected: bytes) -> bool:
     # Constant time in the key's contents; only a length mismatch answers faster.
     return presented is not None and hmac.compare_digest(presented, expected)
+
+
+def authorized(headers: list[tuple[bytes, bytes]], keys: list[bytes]) -> bytes | None:
+    """The key that authenticates a request with these headers, None if none does. Every
+    key is compared, so the time says nothing about which one came close."""
+    presented = presented_key(headers)
+    matched = [key_matches(presented, key) for key in keys]
+    return presented if any(matched) else None
+
+
+def unauthorized(headers: list[tuple[bytes, bytes]]) -> ApiError:
+    """The 401 for a request no key authenticates, saying what was wrong with it."""
+    keys = presented_keys(headers)
+    if not keys:
+        message = "no API key given: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+    elif len(set(keys)) > 1:
+        message = "more than one API key given: send one"
+    else:
+        message = "the API key is not valid"
+    return ApiError(401, "authentication", message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class ApiKeyMiddleware(ASGIMiddleware):
@@ -61,18 +88,10 @@ class ApiKeyMiddleware(ASGIMiddleware):
         if scope["method"] == "OPTIONS":  # a CORS preflight never carries credentials
             await next_app(scope, receive, send)
             return
-        presented = presented_key(scope["headers"])
-        # Every key is compared, so the time says nothing about which one came close.
-        matched = [key_matches(presented, key) for key in self.expected]
-        if any(matched):
+        key = authorized(scope["headers"], self.expected)
+        if key is not None:
             # The key salts the request's prefix-cache blocks (serve/cache_salt.py).
-            scope[AUTHENTICATED_KEY] = presented  # type: ignore[literal-required]
+            scope[AUTHENTICATED_KEY] = key  # type: ignore[literal-required]
             await next_app(scope, receive, send)
             return
-        message = (
-            "no API key given: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-            if presented is None
-            else "the API key is not valid"
-        )
-        error = ApiError(401, "authentication", message, headers={"WWW-Authenticate": "Bearer"})
-        await self.shapes.send(scope, send, error)
+        await self.shapes.send(scope, send, unauthorized(scope["headers"]))

@@ -37,6 +37,11 @@ class ServeConfig:
         "127.0.0.1", "address(es) to listen on, comma-separated (0.0.0.0: every IPv4 interface)"
     )
     port: int = opt(DEFAULT_PORT, "TCP port to listen on")
+    allowed_hosts: str | None = opt(
+        None,
+        "Host names requests may be addressed to, comma-separated (*: any); default: "
+        "loopback names when listening on loopback only, else any (serve/hosts.py)",
+    )
     model_id: str | None = opt(None, "the model name clients send; default: the folder's name")
     model_aliases: str | None = opt(
         None,
