@@ -43,7 +43,8 @@ class ContextBenchConfig:
         "small", "model size (hidden / layers): tiny 64/4, small 256/8, medium 512/12"
     )
     new: int = opt(32, "tokens decoded after each prompt (greedy, eos ignored)")
-    dtype: Literal["bf16", "fp32"] = opt("bf16", "compute dtype; the KV cache is kept in it too")
+    dtype: Literal["bf16", "fp32"] = opt("bf16", "compute dtype")
+    kv_dtype: str = opt("auto", "KV cache codec (fp16, int8, rk8v4, ...); auto: the compute dtype")
     threads: int = opt(0, "torch threads; 0: one per available core")
     repeats: int = opt(1, "timed requests per point; each figure is the best of them")
     out: str | None = opt(None, "where the two random models are cached")
@@ -89,7 +90,9 @@ class _Model:
         return stats, cpu.share
 
 
-def _open(name: str, path: Path, dtype: str, context: int, compile_decode: bool) -> _Model:
+def _open(
+    name: str, path: Path, dtype: str, kv_dtype: str, context: int, compile_decode: bool
+) -> _Model:
     from ninfer_core.config import RuntimeConfig
     from ninfer_core.device import probe_device
     from ninfer_core.generation import one_request_engine
@@ -97,7 +100,9 @@ def _open(name: str, path: Path, dtype: str, context: int, compile_decode: bool)
     from ninfer_core.plugin_host import create_host
 
     host, device = create_host(), probe_device()
-    runtime = RuntimeConfig(dtype=dtype, max_context=context, compile_decode=compile_decode)
+    runtime = RuntimeConfig(
+        dtype=dtype, kv_dtype=kv_dtype, max_context=context, compile_decode=compile_decode
+    )
     loaded = load_model(path, host=host, device=device, runtime=runtime)
     engine = one_request_engine(loaded, host=host, device=device, runtime=runtime)
     return _Model(name, path, loaded, engine)
@@ -140,7 +145,10 @@ def run_bench(
     paths = ensure_models(cfg.size, Path(cfg.out) if cfg.out else None)
     capacity = contexts[-1] + max(cfg.new, WARMUP_TOKENS) + 1  # the longest request fits
     load_before = os.getloadavg()
-    models = [_open(name, paths[name], cfg.dtype, capacity, cfg.compile_decode) for name in MODELS]
+    models = [
+        _open(name, paths[name], cfg.dtype, cfg.kv_dtype, capacity, cfg.compile_decode)
+        for name in MODELS
+    ]
     points: dict[str, list[dict[str, Any]]] = {name: [] for name in MODELS}
     try:
         prompt = prompt_ids(paths["hybrid"], contexts[-1])  # one tokenizer for both
@@ -167,6 +175,7 @@ def run_bench(
     return {
         "size": cfg.size,
         "dtype": cfg.dtype,
+        "kv_dtype": models[0].engine.kv_codec,
         "threads": threads,
         "new_tokens": cfg.new,
         "repeats": cfg.repeats,
@@ -249,7 +258,8 @@ def render(result: dict[str, Any]) -> str:
 
     load = result["load_average"]
     lines = [
-        f"size {result['size']}, {result['dtype']}, {result['threads']} threads, "
+        f"size {result['size']}, {result['dtype']}, KV {result.get('kv_dtype', 'as compute')}, "
+        f"{result['threads']} threads, "
         f"{result['new_tokens']} tokens decoded after each prompt, best of "
         f"{result['repeats']}"
         + ("; decode compiled (--compile-decode)" if result.get("compile_decode") else "")
