@@ -94,6 +94,18 @@ def test_content_length_with_transfer_encoding_is_refused_and_the_connection_clo
     assert status == 400 and "Content-Length and Transfer-Encoding" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("size", [b"f" * 40, b"zz", b"-1"])
+def test_a_chunk_size_that_overflows_or_does_not_parse_is_a_400(server, size):
+    """A chunk size of 40 hex digits (past any integer) or none at all: a 400 in JSON and
+    the connection closed, not a connection dropped without an answer."""
+    request = post(b"/v1/completions", size + b"\r\n{}\r\n0\r\n\r\n", b"Transfer-Encoding: chunked")
+    with connect(server) as sock:
+        sock.sendall(request)
+        raw = read_all(sock)
+    status, body = status_and_json(raw)
+    assert status == 400 and body["error"]["message"]
+
+
 def test_a_half_closed_request_is_answered(server):
     request = post(b"/v1/completions", COMPLETION, b"Content-Length: %d" % len(COMPLETION))
     with connect(server) as sock:
