@@ -95,7 +95,7 @@ def test_child_and_server_benches_render_the_choice():
     )
     result = {"kernel_ops": ops, "statuses": {200: 1}, "wall_s": 1.0, "rss_start_mib": 1,
               "rss_after_warmup_mib": 1, "rss_end_mib": 1, "growth_after_warmup_mib": 0,
-              "rss_peak_mib": 1}  # fmt: skip
+              "rss_peak_mib": 1, "health_after": 200, "windows": []}  # fmt: skip
     assert soak.render(result).startswith(EVERY_OP_TORCH)
 
 

@@ -7,7 +7,8 @@ import pytest
 from ninfer_core.bench.isolation import IsolationBenchConfig
 from ninfer_core.bench.isolation import render as render_isolation
 from ninfer_core.bench.isolation import run_bench as run_isolation
-from ninfer_core.bench.soak import SoakBenchConfig
+from ninfer_core.bench.soak import KINDS, MIB, Record, SoakBenchConfig, windows
+from ninfer_core.bench.soak import render as render_soak
 from ninfer_core.bench.soak import run_bench as run_soak
 
 
@@ -32,9 +33,30 @@ def test_isolation_hostile_clients_leave_the_victims_text_alone():
 
 
 @pytest.mark.slow
-def test_soak_counts_every_request_and_reads_rss():
-    cfg = SoakBenchConfig(requests=12, concurrency=2, max_prompt_words=40, max_tokens=4)
+def test_soak_counts_every_request_and_reads_rss(tmp_path):
+    """Every kind of the mix (cancels, grammars, embeddings, n = 2 included) answers 200;
+    the windows count them all, with stream latencies and RSS."""
+    cfg = SoakBenchConfig(requests=40, concurrency=2, max_prompt_words=40, max_tokens=4,
+                          window_s=2.0, seed=0)  # fmt: skip
     result = run_soak(cfg)
-    assert result["statuses"] == {200: 12}
+    assert result["statuses"] == {"200": 40}, result["statuses"]
+    assert set(result["kinds"]) == set(KINDS), result["kinds"]  # the mix reached each kind
+    assert result["health_after"] == 200
     assert 0 < result["rss_start_mib"] <= result["rss_peak_mib"]
     assert result["rss_end_mib"] <= result["rss_peak_mib"]
+    rows = result["windows"]
+    assert sum(r["requests"] for r in rows) == 40 and not any(r["errors"] for r in rows)
+    assert any(r["ttft_p50_ms"] for r in rows) and any(r["gap_p99_ms"] for r in rows)
+    assert "| from s | requests |" in render_soak(result)
+
+
+def test_soak_windows_take_percentiles_of_their_own_requests():
+    records = [Record(0.5, "chat", 200, 0.010, (0.001, 0.003)),
+               Record(1.5, "chat", 200, 0.030, (0.002,)),
+               Record(2.5, "cancel", "hung")]  # fmt: skip
+    rows = windows(records, [(0.2, 100 * MIB), (2.2, 120 * MIB)], 2.0)
+    assert [r["requests"] for r in rows] == [2, 1] and [r["errors"] for r in rows] == [0, 1]
+    assert rows[0]["ttft_p50_ms"] == pytest.approx(30.0) and rows[0]["gap_p99_ms"] == pytest.approx(
+        3.0
+    )
+    assert rows[1]["ttft_p50_ms"] is None and rows[1]["rss_mib"] == 120
