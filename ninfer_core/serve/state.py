@@ -21,6 +21,11 @@ from ninfer_core.text import ChatTemplate, ChatTemplateError, GenerationDefaults
 from ninfer_core.text.generation_config import SAMPLING_FIELDS
 from ninfer_core.text.tokenizer import TooManyTokensError
 
+#: The longest prompt token counting counts (`render(whole=True)`): past the context, so an
+#: agent learns how far over it is, and bounded, as a million tokens is the largest context
+#: a client could mean (about 4 MB of text, a second or two of work).
+MAX_COUNTED_TOKENS = 1_000_000
+
 
 @dataclass
 class ServeOptions:
@@ -76,8 +81,8 @@ class ServeState:
         """Prompt ids for a conversation, through the model's chat template. With
         `continue_final_message` (and no generation prompt) the last message is left open
         and the answer continues it: an assistant prefill. With `whole`, a prompt longer
-        than the context is counted all the same (token counting: the request body's limit
-        bounds the work), where a prompt to run is refused past the context."""
+        than the context is counted all the same (token counting), up to
+        `MAX_COUNTED_TOKENS`, where a prompt to run is refused past the context."""
         if self.template is None:
             raise invalid("this model has no chat template; use the completions endpoint")
         try:
@@ -91,7 +96,18 @@ class ServeState:
         except ChatTemplateError as exc:
             raise invalid(f"the chat template rejected the conversation: {exc}") from None
         if whole:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            try:
+                return self.tokenizer.encode(
+                    text, add_special_tokens=False, limit=MAX_COUNTED_TOKENS
+                )
+            except TooManyTokensError:
+                raise ApiError(
+                    400,
+                    "context_length_exceeded",
+                    f"the prompt has more than {MAX_COUNTED_TOKENS:,} tokens, the most this "
+                    "server counts",
+                    param="messages",
+                ) from None
         return self.encode_prompt(text, add_special_tokens=False)
 
     def encode_prompt(
