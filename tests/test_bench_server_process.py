@@ -7,7 +7,7 @@ import pytest
 from ninfer_core.bench.isolation import IsolationBenchConfig
 from ninfer_core.bench.isolation import render as render_isolation
 from ninfer_core.bench.isolation import run_bench as run_isolation
-from ninfer_core.bench.soak import KINDS, MIB, Record, SoakBenchConfig, windows
+from ninfer_core.bench.soak import KINDS, MIB, Record, SoakBenchConfig, plot, windows
 from ninfer_core.bench.soak import render as render_soak
 from ninfer_core.bench.soak import run_bench as run_soak
 
@@ -60,3 +60,11 @@ def test_soak_windows_take_percentiles_of_their_own_requests():
         3.0
     )
     assert rows[1]["ttft_p50_ms"] is None and rows[1]["rss_mib"] == 120
+
+
+def test_soak_plots_its_windows(tmp_path):
+    pytest.importorskip("matplotlib", reason="the optional plot extra")
+    rows = windows([Record(0.5, "chat", 200, 0.010, (0.001, 0.003))], [(0.2, 100 * MIB)], 2.0)
+    paths = plot({"windows": rows}, tmp_path)
+    assert [p.name for p in paths] == ["soak_latency.png", "soak_rss.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)

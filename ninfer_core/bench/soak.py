@@ -245,7 +245,9 @@ def plot(result: dict, out: Path) -> list[Path]:
     """PNGs of the windows: latency percentiles, and RSS, against time."""
     from ninfer_core.bench.serve_plot import require_matplotlib
 
-    plt = require_matplotlib()
+    require_matplotlib().use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
     out.mkdir(parents=True, exist_ok=True)
     rows = result["windows"]
     minutes = [r["start_s"] / 60 for r in rows]
