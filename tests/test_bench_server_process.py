@@ -7,7 +7,15 @@ import pytest
 from ninfer_core.bench.isolation import IsolationBenchConfig
 from ninfer_core.bench.isolation import render as render_isolation
 from ninfer_core.bench.isolation import run_bench as run_isolation
-from ninfer_core.bench.soak import KINDS, MIB, Record, SoakBenchConfig, plot, windows
+from ninfer_core.bench.soak import (
+    KINDS,
+    MIB,
+    Record,
+    SoakBenchConfig,
+    carries_text,
+    plot,
+    windows,
+)
 from ninfer_core.bench.soak import render as render_soak
 from ninfer_core.bench.soak import run_bench as run_soak
 
@@ -68,3 +76,12 @@ def test_soak_plots_its_windows(tmp_path):
     paths = plot({"windows": rows}, tmp_path)
     assert [p.name for p in paths] == ["soak_latency.png", "soak_rss.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
+
+
+def test_only_events_with_text_time_a_stream():
+    assert carries_text({"type": "content_block_delta", "delta": {"text": "a"}})
+    assert not carries_text({"type": "ping"}) and not carries_text({"type": "message_start"})
+    assert carries_text({"choices": [{"delta": {"content": "a"}}]})
+    assert carries_text({"choices": [{"text": "a"}]})
+    assert not carries_text({"choices": [{"delta": {"role": "assistant"}}]})
+    assert not carries_text({"choices": [], "usage": {"prompt_tokens": 1}})

@@ -10,8 +10,9 @@ speculative rounds throughout. `--concurrency` clients send back to back, so the
 full.
 
 Each time window (`--window-s`) reports its requests, errors (a status other than 200, or
-no answer within the timeout: a request that hangs), p50/p99 time to first token and
-inter-token gap of the streams that started in it, and the server's RSS. The figures that
+no answer within the timeout: a request that hangs), p50/p99 time to the first text and
+gap between text events of the streams that started in it (`carries_text`), and the
+server's RSS. The figures that
 matter: RSS after warm-up against RSS at the end and its peak (a server that grows with
 each new shape fails here long before it fails a user), no errors, and latencies that stay
 flat from the first window to the last. `--plot DIR` draws them (matplotlib, the `plot`
@@ -30,6 +31,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ninfer_core.bench import kernel_ops_line
 from ninfer_core.bench.server_process import ServerProcess, request, rss_bytes
@@ -134,11 +136,27 @@ def send(port: int, item: tuple[str, str, dict], timeout: float, t0: float) -> R
         return Record(start - t0, kind, "hung")
     except OSError as exc:
         return Record(start - t0, kind, type(exc).__name__)
-    stamps = [t for t, _ in reply.events]
+    stamps = [t for t, event in reply.events if carries_text(event)]
     if not stamps:
         return Record(start - t0, kind, reply.status)
     gaps = tuple(b - a for a, b in itertools.pairwise(stamps))
     return Record(start - t0, kind, reply.status, stamps[0] - start, gaps)
+
+
+def carries_text(event: Any) -> bool:
+    """Whether a stream's event carries answer text: an OpenAI chunk with content, text or a
+    tool call's piece, an Anthropic `content_block_delta`. Not a role chunk, a usage or
+    finish chunk, nor Anthropic's `ping`s (every 5 s while a request waits), whose times
+    would read as a first token or a 5 s gap between tokens."""
+    if not isinstance(event, dict):
+        return False
+    if "type" in event:
+        return event["type"] == "content_block_delta"
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls") or choice.get("text"):
+            return True
+    return False
 
 
 def percentile(values: list[float], q: float) -> float | None:
