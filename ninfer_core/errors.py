@@ -16,6 +16,12 @@ def plural(noun: str) -> str:
     return noun + ("es" if noun.endswith(("s", "x", "ch", "sh")) else "s")
 
 
+def elided(text: str, width: int = 60) -> str:
+    """`text` as an error message quotes it: whole up to `width` characters, else cut to
+    `width` with "..." (a name from a request or a file can be megabytes long)."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 class NInferError(Exception):
     """Base for errors whose message is meant for the user as it is."""
 

@@ -39,7 +39,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
-from ninfer_core.errors import NInferError
+from ninfer_core.errors import NInferError, elided
 
 COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 HEX = re.compile(r"[0-9a-fA-F]+")
@@ -92,10 +92,9 @@ def check_repo_id(repo_id: str) -> str:
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        shown = repo_id if len(repo_id) <= 60 else repo_id[:57] + "..."
         raise PullError(
-            f"{shown!r} is not a Hub repo id: give 'namespace/name' (letters, digits, '-', "
-            "'_' and '.', at most 96 characters a part), e.g. Qwen/Qwen3-0.6B"
+            f"{elided(repo_id)!r} is not a Hub repo id: give 'namespace/name' (letters, "
+            "digits, '-', '_' and '.', at most 96 characters a part), e.g. Qwen/Qwen3-0.6B"
         ) from None
     return repo_id
 

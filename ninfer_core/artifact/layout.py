@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer_core.errors import ArtifactError
+from ninfer_core.errors import ArtifactError, elided
 from ninfer_core.quant.formats import FORMATS
 
 MAGIC = b"NINFER\0"
@@ -230,8 +230,7 @@ def recipe_problem(recipe: Any) -> str | None:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, list | tuple) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return elided(json.dumps(value) if isinstance(value, list | tuple) else repr(value), 80)
 
 
 # --- reading -----------------------------------------------------------------------------

@@ -127,8 +127,9 @@ def _attack(port: int, cfg: IsolationBenchConfig, model_id: str, name: str, stop
             if not flood:
                 stop.wait(cfg.interval_s)
 
-    with ThreadPoolExecutor(cfg.flood_clients if flood else 1) as pool:
-        for _ in range(cfg.flood_clients if flood else 1):
+    clients = cfg.flood_clients if flood else 1
+    with ThreadPoolExecutor(clients) as pool:
+        for _ in range(clients):
             pool.submit(client)
     results.put(dict(seen))
 

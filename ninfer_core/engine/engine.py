@@ -173,26 +173,26 @@ class Engine(StepThread):
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             waiting = self.scheduler.queue_length_with_one_more()
             if waiting > self.config.max_pending_requests:
-                retry = max(1, math.ceil(self.scheduler.estimate_retry_after()))
-                raise OverloadedError(
+                raise self._overloaded(
                     f"{waiting - 1} requests are queued (the limit is "
-                    f"{self.config.max_pending_requests}); retry in about {retry} s",
-                    retry_after=retry,
+                    f"{self.config.max_pending_requests})"
                 )
             per_key = self.config.max_pending_per_key
             if per_key and request.tenant is not None:
                 queued = self.scheduler.waiting_of(request.tenant)
                 if queued >= per_key:
-                    retry = max(1, math.ceil(self.scheduler.estimate_retry_after()))
-                    raise OverloadedError(
-                        f"this API key has {queued} requests queued (the limit is {per_key}); "
-                        f"retry in about {retry} s",
-                        retry_after=retry,
+                    raise self._overloaded(
+                        f"this API key has {queued} requests queued (the limit is {per_key})"
                     )
             self.scheduler.add(seq, self.clock(), request.deadline, request.pending_timeout_s)
             self._live[request.request_id] = self._by_seq[seq.seq_id] = state
             self._wake.notify()
         return sink
+
+    def _overloaded(self, why: str) -> OverloadedError:
+        """The 429 for a queue that is full (`why`), with when a place should free up."""
+        retry = max(1, math.ceil(self.scheduler.estimate_retry_after()))
+        return OverloadedError(f"{why}; retry in about {retry} s", retry_after=retry)
 
     def _stop_ids(self, request: GenerationRequest) -> set[int]:
         stop_ids = set(request.stop_token_ids)

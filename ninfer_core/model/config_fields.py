@@ -13,14 +13,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ninfer_core.errors import ModelLoadError
+from ninfer_core.errors import ModelLoadError, elided
 
 _MISSING = object()
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return elided(repr(value))
 
 
 def as_int(value: Any) -> int | None:

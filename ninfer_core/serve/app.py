@@ -201,8 +201,8 @@ def create_app(
 
     limit = int(max_request_mib * 1024 * 1024)
     middleware: list[Any] = [BodyLimitMiddleware(limit, shapes, body_timeout_s)]
-    if api_key:
-        middleware.insert(0, ApiKeyMiddleware(api_key, shapes))
+    if keys:
+        middleware.insert(0, ApiKeyMiddleware(keys, shapes))
     if hosts is not None:  # before the key: a rebinding page holds no key anyway
         middleware.insert(0, HostGuard(hosts, shapes))
     middleware.insert(0, ShutdownGuard(shapes))  # outermost: it answers for what it wraps

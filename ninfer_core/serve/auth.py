@@ -18,7 +18,6 @@ from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 
 from ninfer_core.serve.cache_salt import AUTHENTICATED_KEY
-from ninfer_core.serve.config import server_keys
 from ninfer_core.serve.errors import ApiError
 
 if TYPE_CHECKING:
@@ -80,8 +79,8 @@ class ApiKeyMiddleware(ASGIMiddleware):
     scopes = (ScopeType.HTTP,)
     exclude_opt_key = NO_AUTH
 
-    def __init__(self, api_key: str, shapes: ErrorShapes) -> None:
-        self.expected = server_keys(api_key)
+    def __init__(self, keys: list[bytes], shapes: ErrorShapes) -> None:
+        self.expected = keys  # `serve/config.py`'s `server_keys`
         self.shapes = shapes
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:

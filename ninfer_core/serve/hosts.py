@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
 
+from ninfer_core.errors import elided
 from ninfer_core.serve.errors import ApiError
 
 if TYPE_CHECKING:
@@ -77,11 +78,10 @@ class HostGuard(ASGIMiddleware):
         if self.accepts(name):
             await next_app(scope, receive, send)
             return
-        shown = name if len(name) <= 64 else name[:61] + "..."
         error = ApiError(
             400,
             "invalid_request",
-            f"this server does not answer to Host {shown!r}: it listens on loopback; "
+            f"this server does not answer to Host {elided(name, 64)!r}: it listens on loopback; "
             "--allowed-hosts names others",
         )
         await self.shapes.send(scope, send, error)

@@ -95,38 +95,31 @@ class ServeState:
             )
         except ChatTemplateError as exc:
             raise invalid(f"the chat template rejected the conversation: {exc}") from None
-        if whole:
-            try:
-                return self.tokenizer.encode(
-                    text, add_special_tokens=False, limit=MAX_COUNTED_TOKENS
-                )
-            except TooManyTokensError:
-                raise ApiError(
-                    400,
-                    "context_length_exceeded",
-                    f"the prompt has more than {MAX_COUNTED_TOKENS:,} tokens, the most this "
-                    "server counts",
-                    param="messages",
-                ) from None
-        return self.encode_prompt(text, add_special_tokens=False)
+        return self.encode_prompt(text, add_special_tokens=False, counting=whole)
 
     def encode_prompt(
-        self, text: str, *, add_special_tokens: bool, param: str = "messages"
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool,
+        param: str = "messages",
+        counting: bool = False,
     ) -> list[int]:
-        """A prompt's ids, refused (400, naming `param`) once they cannot fit the context: a
-        huge text is counted in pieces and given up early, never tokenized in full. Slow
-        for a long text: frontends call it (and `render`) in a worker thread."""
+        """A prompt's ids, refused (400, naming `param`) once they cannot fit the context
+        (`counting`: past `MAX_COUNTED_TOKENS`): a huge text is counted in pieces and given
+        up early, never tokenized in full. Slow for a long text: frontends call it (and
+        `render`) in a worker thread."""
+        limit = MAX_COUNTED_TOKENS if counting else self.max_context
         try:
-            return self.tokenizer.encode(
-                text, add_special_tokens=add_special_tokens, limit=self.max_context
-            )
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=limit)
         except TooManyTokensError as exc:
+            why = (
+                f"more than {limit:,} tokens, the most this server counts"
+                if counting
+                else f"at least {exc.at_least} tokens; this model's context is {limit} tokens"
+            )
             raise ApiError(
-                400,
-                "context_length_exceeded",
-                f"the prompt has at least {exc.at_least} tokens; this model's context is "
-                f"{self.max_context} tokens",
-                param=param,
+                400, "context_length_exceeded", f"the prompt has {why}", param=param
             ) from None
 
     def sampling(self, **given: Any) -> SamplingParams:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ninfer_core.errors import elided
 from ninfer_core.serve.errors import ApiError
 from ninfer_plugins.frontend_responses import wire
 
@@ -64,12 +65,11 @@ class ResponseStore:
         entry = self._entries.get(response_id)
         if entry is None:
             # An id is ours (`resp_` and 32 hex digits): a longer one is not echoed back.
-            shown = response_id if len(response_id) <= 64 else response_id[:61] + "..."
             raise ApiError(
                 404,
                 "not_found",
-                f"Response with id {shown!r} not found (never stored, or evicted from "
-                "this server's bounded store).",
+                f"Response with id {elided(response_id, 64)!r} not found (never stored, or "
+                "evicted from this server's bounded store).",
                 param=param,
             )
         self._entries.move_to_end(response_id)
